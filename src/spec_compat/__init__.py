@@ -1,0 +1,186 @@
+"""spec_compat: run speculators' untouched VllmHiddenStatesGenerator on any vLLM.
+
+    import spec_compat; spec_compat.apply()
+    from speculators.data_generation import VllmHiddenStatesGenerator
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .detect import Environment, detect
+from .errors import IncompatibleError, ResultContractError, SpecCompatError, WorkerError
+from .options import Context, Options
+from .patching import Patcher
+from .preflight import Finding
+
+__version__ = "0.1.0"
+__all__ = [
+    "AdapterDecision",
+    "IncompatibleError",
+    "Report",
+    "ResultContractError",
+    "SpecCompatError",
+    "WorkerError",
+    "apply",
+    "plan",
+    "revert",
+]
+
+
+@dataclass(frozen=True)
+class AdapterDecision:
+    id: str
+    side: str
+    applies: bool
+    reason: str
+    blocking: bool = False
+
+
+@dataclass
+class Report:
+    env: Environment
+    options: Options
+    decisions: list[AdapterDecision] = field(default_factory=list)
+    preflight: list[Finding] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def applied(self) -> list[str]:
+        return [d.id for d in self.decisions if d.applies]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        lines = [f"spec_compat {__version__}: vLLM {self.env.vllm.describe()} ({self.env.vllm_distribution}), "
+                 f"speculators {self.env.speculators.describe()}, platform {self.env.platform}"]
+        for d in self.decisions:
+            mark = "APPLY" if d.applies else ("BLOCK" if d.blocking else "  -  ")
+            lines.append(f"  [{mark}] {d.id:34s} {d.reason}")
+        bad = [f for f in self.preflight if not f.ok]
+        lines.append(f"  preflight: {len(self.preflight) - len(bad)}/{len(self.preflight)} checks pass")
+        lines.extend(f"    FAIL {f.what}: {f.detail}" for f in bad)
+        lines.extend(f"  problem: {p}" for p in self.problems)
+        return "\n".join(lines)
+
+
+_lock = threading.RLock()
+_patcher = Patcher()
+_report: Report | None = None
+
+
+def _run_side(ctx: Context, side: str, report: Report, patcher: Patcher | None) -> None:
+    from .registry import ADAPTERS
+
+    for adapter in ADAPTERS:
+        if adapter.side != side:
+            continue
+        try:
+            probe = adapter.probe(ctx)
+        except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a finding, not a crash
+            report.decisions.append(AdapterDecision(adapter.id, side, False, f"probe failed: {type(exc).__name__}: {exc}", True))
+            report.problems.append(f"{adapter.id}: probe failed: {type(exc).__name__}: {exc}")
+            continue
+        report.decisions.append(AdapterDecision(adapter.id, side, probe.applies, probe.reason, probe.blocking))
+        if probe.blocking:
+            report.problems.append(f"{adapter.id}: {probe.reason}")
+        if probe.applies and patcher is not None:
+            adapter.apply(ctx, patcher)
+
+
+def _load_speculators(ctx: Context, report: Report) -> bool:
+    from .adapters import speculators_code
+
+    try:
+        ctx.worker = speculators_code.import_worker()
+        ctx.generator = speculators_code.import_generator()
+    except ImportError as exc:
+        report.problems.append(f"cannot import speculators' generator: {type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
+def _build(options: Options, patcher: Patcher, keep_patches: bool) -> Report:
+    env = detect()
+    ctx = Context(env=env, options=options)
+    report = Report(env=env, options=options)
+    if env.vllm_distribution is None:
+        report.problems.append("vLLM is not installed")
+        return report
+    _run_side(ctx, "import", report, patcher)
+    if _load_speculators(ctx, report):
+        _run_side(ctx, "worker", report, patcher)
+        _run_side(ctx, "driver", report, patcher if keep_patches else None)
+        if keep_patches:
+            from .preflight import check_generator, check_plugin_registered, worker_rpc_names
+
+            assert ctx.generator is not None
+            report.preflight = check_generator(ctx.generator, ctx.worker, worker_rpc_names(ctx.worker))
+            report.preflight.append(check_plugin_registered())
+            report.problems.extend(f"preflight: {f.what}: {f.detail}" for f in report.preflight if not f.ok)
+    return report
+
+
+def apply(strict: bool = False, dtype: str | None = None, check_results: bool = True) -> Report:
+    """Make the installed speculators generator work on the installed vLLM. Idempotent.
+
+    ``dtype``: the model dtype the generator loads with ("float32", "bfloat16", ...; default: the
+    ``SPEC_COMPAT_DTYPE`` environment variable, else speculators' "auto").
+    ``strict``: raise IncompatibleError if anything cannot be made compatible.
+    """
+    global _report
+    options = Options.from_env(dtype=dtype, check_results=check_results)
+    with _lock:
+        if _report is not None and _report.options == options:
+            report = _report
+        else:
+            if _report is not None:
+                _patcher.revert()
+            report = _build(options, _patcher, keep_patches=True)
+            _report = report
+    if strict and not report.ok:
+        raise IncompatibleError("spec_compat cannot make this environment compatible:\n" + str(report))
+    return report
+
+
+def revert() -> list[str]:
+    """Undo every patch apply() made; returns the patched targets, last applied first."""
+    global _report
+    with _lock:
+        undone = _patcher.revert()
+        _report = None
+    return [f"{p.adapter_id}: {p.target}" for p in undone]
+
+
+def plan(dtype: str | None = None, check_results: bool = True) -> Report:
+    """What apply() would do and why, without leaving any patch behind."""
+    with _lock:
+        if _report is not None:
+            return _report
+        scratch = Patcher()
+        try:
+            return _build(Options.from_env(dtype=dtype, check_results=check_results), scratch, keep_patches=False)
+        finally:
+            scratch.revert()
+
+
+def apply_in_worker(options_json: str) -> Report:
+    """Worker-process side (called by the vLLM plugin): import-time and worker adapters only."""
+    global _report
+    options = Options.from_json(options_json)
+    with _lock:
+        if _report is not None:
+            return _report
+        env = detect()
+        ctx = Context(env=env, options=options)
+        report = Report(env=env, options=options)
+        _run_side(ctx, "import", report, _patcher)
+        from .adapters import speculators_code
+
+        ctx.worker = speculators_code.import_worker()
+        _run_side(ctx, "worker", report, _patcher)
+        _report = report
+        return report

@@ -1,0 +1,172 @@
+"""Driver-side keyword adapters for the vLLM callables the generator module calls by name.
+
+Each replaces a name in ``speculators.data_generation.vllm_hidden_states_generator`` (never in
+vLLM), so other vLLM callers in the process are unaffected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
+from ..options import Context
+from ..patching import Patcher
+from .probe import Probe
+
+
+def _generator(ctx: Context) -> Any:
+    assert ctx.generator is not None, "driver adapters need the speculators generator module"
+    return ctx.generator
+
+
+def _install(ctx: Context, patcher: Patcher, adapter_id: str, name: str, plan: KeywordPlan, after: Any = None) -> None:
+    module = _generator(ctx)
+    patcher.replace(adapter_id, module, name, CallAdapter(adapter_id, getattr(module, name), plan, after))
+
+
+def _passes_keyword(ctx: Context, callee: str, keyword: str) -> bool:
+    from ..preflight import call_sites
+
+    return any(keyword in site.keywords for site in call_sites(_generator(ctx)) if site.callee == callee)
+
+
+# ---- Request(eos_token_id=..., block_hasher=...) -------------------------------------------------
+# vLLM 0.17 removed Request(eos_token_id=) (EOS now lives in sampling_params); block_hasher exists
+# since 0.10. The generator only prefills (max_tokens=1), so EOS never matters: dropping is exact.
+REQUEST_DROPPABLE = ("eos_token_id", "block_hasher")
+
+
+def probe_request_kwargs(ctx: Context) -> Probe:
+    target = innermost(_generator(ctx).Request)
+    stale = [k for k in REQUEST_DROPPABLE if _passes_keyword(ctx, "Request", k) and not accepts(target, k)]
+    if stale:
+        return Probe(True, f"speculators passes {stale} which Request.__init__ no longer accepts")
+    return Probe(False, "Request.__init__ accepts every keyword speculators passes")
+
+
+def apply_request_kwargs(ctx: Context, patcher: Patcher) -> None:
+    target = innermost(_generator(ctx).Request)
+    drop = frozenset(k for k in REQUEST_DROPPABLE if not accepts(target, k))
+    _install(ctx, patcher, "request-kwargs", "Request", KeywordPlan(drop=drop))
+
+
+# ---- SchedulerConfig(is_encoder_decoder=...) --------------------------------------------------
+# vLLM 0.11.2 added the InitVar, 0.12.0 made it required; speculators 0.3.0 never passes it,
+# 0.4.x always does (so 0.4 on <= 0.11.0 must drop it).
+
+
+def probe_scheduler_config_encoder_decoder(ctx: Context) -> Probe:
+    target = innermost(_generator(ctx).SchedulerConfig)
+    passes = _passes_keyword(ctx, "SchedulerConfig", "is_encoder_decoder")
+    if required(target, "is_encoder_decoder") and not passes:
+        return Probe(True, "SchedulerConfig requires is_encoder_decoder; speculators does not pass it")
+    if passes and not accepts(target, "is_encoder_decoder"):
+        return Probe(True, "speculators passes is_encoder_decoder; this SchedulerConfig has no such field")
+    return Probe(False, "SchedulerConfig binds the speculators call as is")
+
+
+def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: Patcher) -> None:
+    target = innermost(_generator(ctx).SchedulerConfig)
+    if accepts(target, "is_encoder_decoder"):
+        plan = KeywordPlan(add={"is_encoder_decoder": lambda kw: False})
+    else:
+        plan = KeywordPlan(drop=frozenset({"is_encoder_decoder"}))
+    _install(ctx, patcher, "scheduler-config-encoder-decoder", "SchedulerConfig", plan)
+
+
+# ---- CacheConfig(enable_prefix_caching=False) ---------------------------------------------------
+# vLLM 0.12.0 turned prefix caching on by default. Hidden-state extraction must run every prompt
+# token through the model: a prefix-cache hit skips those tokens, and speculators 0.3.0's
+# requests carry no block hasher (crash in block_pool). 0.4.x already passes False.
+
+
+def probe_prefix_caching_off(ctx: Context) -> Probe:
+    target = innermost(_generator(ctx).CacheConfig)
+    if not accepts(target, "enable_prefix_caching"):
+        return Probe(False, "CacheConfig has no enable_prefix_caching")
+    if _passes_keyword(ctx, "CacheConfig", "enable_prefix_caching"):
+        return Probe(False, "speculators already passes enable_prefix_caching")
+    return Probe(True, "speculators leaves prefix caching at vLLM's default (on since 0.12.0)")
+
+
+def apply_prefix_caching_off(ctx: Context, patcher: Patcher) -> None:
+    _install(ctx, patcher, "prefix-caching-off", "CacheConfig", KeywordPlan(override={"enable_prefix_caching": lambda kw: False}))
+
+
+# ---- CacheConfig(block_size=16) hard-coded -------------------------------------------------------
+# speculators hard-codes VLLM_BLOCK_SIZE = 16 (128 on NPU). Attention backends constrain it (CPU
+# attention wants multiples of 32, CPU MLA exactly 16, FlashMLA 64): leaving it unset lets vLLM's
+# platform/backend choose, exactly as for a vLLM engine; the Scheduler adapter then passes the
+# resolved value.
+
+
+def probe_block_size_from_platform(ctx: Context) -> Probe:
+    if not _passes_keyword(ctx, "CacheConfig", "block_size"):
+        return Probe(False, "speculators does not pass a block size")
+    target = innermost(_generator(ctx).CacheConfig)
+    if not accepts(target, "block_size"):
+        return Probe(False, "CacheConfig has no block_size", blocking=True)
+    return Probe(True, f"speculators hard-codes block_size={getattr(_generator(ctx), 'VLLM_BLOCK_SIZE', '?')}")
+
+
+def apply_block_size_from_platform(ctx: Context, patcher: Patcher) -> None:
+    _install(ctx, patcher, "block-size-from-platform", "CacheConfig", KeywordPlan(drop=frozenset({"block_size"})))
+
+
+# ---- ModelConfig(dtype="auto") -------------------------------------------------------------------
+
+
+def probe_model_dtype(ctx: Context) -> Probe:
+    if ctx.options.dtype is None:
+        return Probe(False, "no dtype requested (apply(dtype=...) or SPEC_COMPAT_DTYPE)")
+    return Probe(True, f"user asked for dtype={ctx.options.dtype!r}; speculators hard-codes 'auto'")
+
+
+def apply_model_dtype(ctx: Context, patcher: Patcher) -> None:
+    dtype = ctx.options.dtype
+    _install(ctx, patcher, "model-dtype", "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
+
+
+# ---- Scheduler(block_size=...) -------------------------------------------------------------------
+# vLLM 0.11.2 added the required block_size; 0.20.2 added hash_block_size. speculators 0.3.0 passes
+# none, 0.4.x passes its hard-coded 16. The scheduler must use the block size of the KV cache
+# groups the workers reported.
+
+
+def _resolved_block_sizes(kwargs: dict[str, Any]) -> tuple[int, int | None]:
+    vllm_config = kwargs["vllm_config"]
+    kv_cache_config = kwargs.get("kv_cache_config")
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        if kv_cache_config is not None:
+            scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+            return int(scheduler_block_size), int(hash_block_size)
+    except ImportError:
+        pass
+    return int(vllm_config.cache_config.block_size), None
+
+
+def probe_scheduler_block_size(ctx: Context) -> Probe:
+    target = innermost(_generator(ctx).Scheduler)
+    passes = _passes_keyword(ctx, "Scheduler", "block_size")
+    if required(target, "block_size") and not passes:
+        return Probe(True, "Scheduler requires block_size (vLLM >= 0.11.2); speculators does not pass it")
+    if passes and not accepts(target, "block_size"):
+        return Probe(True, "speculators passes block_size; this Scheduler does not take it")
+    if passes:
+        return Probe(True, "speculators passes its hard-coded block size; the KV cache's resolved one is used")
+    return Probe(False, "Scheduler takes no block size")
+
+
+def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
+    target = innermost(_generator(ctx).Scheduler)
+    override: dict[str, Any] = {}
+    drop: set[str] = set()
+    if accepts(target, "block_size"):
+        override["block_size"] = lambda kw: _resolved_block_sizes(kw)[0]
+    else:
+        drop.add("block_size")
+    if accepts(target, "hash_block_size") and "hash_block_size" in target.__init__.__code__.co_varnames:
+        override["hash_block_size"] = lambda kw: _resolved_block_sizes(kw)[1]
+    _install(ctx, patcher, "scheduler-block-size", "Scheduler", KeywordPlan(drop=frozenset(drop), override=override))

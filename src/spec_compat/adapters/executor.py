@@ -1,0 +1,243 @@
+"""spec_compat's MultiprocExecutor, installed under the generator module's ``MultiprocExecutor``.
+
+It is a subclass created at apply() time; each behaviour is switched on by its own registry
+adapter (a class attribute the adapter sets, so revert() switches it off again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from .. import remote_errors
+from ..options import WORKER_ENV, Context
+from ..patching import Patcher
+from . import speculators_code
+from .driver_calls import _generator
+from .probe import Probe
+
+PLUGIN_NAME = "spec_compat"
+_EXECUTORS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_SUBCLASSES: dict[type, type] = {}
+
+
+def executor_for(vllm_config: Any) -> Any:
+    return _EXECUTORS.get(id(vllm_config))
+
+
+@contextlib.contextmanager
+def _scoped_environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def make_executor_class(base: type) -> type:
+    """A subclass of vLLM's MultiprocExecutor with switchable compatibility behaviour."""
+    if base in _SUBCLASSES:
+        return _SUBCLASSES[base]
+
+    class SpecCompatMultiprocExecutor(base):  # type: ignore[valid-type, misc]
+        # Switched on by registry adapters (see registry.py).
+        worker_options_json: str | None = None  # worker-side adapters run in these workers
+        extension_methods: frozenset[str] = frozenset()  # speculators' worker RPCs
+        all_ranks_reply = False  # unique_reply_rank=k -> ask every rank, so no failure is dropped
+        reply_as_list = False  # speculators expects [rank-k result] (vLLM <= 0.11.0 shape)
+        sample_after_execute = False  # caller never calls sample_tokens()
+        resolve_kv_layout = False  # resolve the KV cache layout as the engine core does
+        force_v1_model_runner = False  # speculators 0.4 reads model_runner.input_batch
+
+        def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+            self.step_log: list[list[tuple[str, int]]] = []
+            env: dict[str, str] = {}
+            if self.worker_options_json is not None:
+                env[WORKER_ENV] = self.worker_options_json
+                plugins = os.environ.get("VLLM_PLUGINS")
+                if plugins is not None and PLUGIN_NAME not in plugins.split(","):
+                    env["VLLM_PLUGINS"] = f"{plugins},{PLUGIN_NAME}" if plugins else PLUGIN_NAME
+            if self.force_v1_model_runner and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
+                env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            with _scoped_environ(env):
+                super().__init__(vllm_config, *args, **kwargs)
+            _EXECUTORS[id(vllm_config)] = self
+            if self.resolve_kv_layout:
+                self._resolve_kv_cache_layout()
+
+        def _resolve_kv_cache_layout(self) -> None:
+            from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+            specs = [spec for worker_specs in self.get_kv_cache_specs() for spec in worker_specs.values()]
+            layout = resolve_kv_cache_layout(self.vllm_config, self.get_supported_kv_cache_layouts(), specs)
+            self.set_kv_cache_layout(layout.name)
+
+        def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+            speculators_rpc = isinstance(method, str) and method in self.extension_methods
+            reply_rank = kwargs.get("unique_reply_rank")
+            if speculators_rpc and reply_rank is not None and self.all_ranks_reply:
+                kwargs["unique_reply_rank"] = None
+            try:
+                result = super().collective_rpc(method, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the worker's details
+                remote_errors.raise_decoded(exc)
+                raise
+            if speculators_rpc and reply_rank is not None:
+                if self.all_ranks_reply and kwargs.get("non_block") is not True:
+                    result = result[reply_rank]
+                if self.reply_as_list:
+                    result = [result]
+            return result
+
+        def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            self.step_log.append(
+                [(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()]
+            )
+            output = super().execute_model(scheduler_output, *args, **kwargs)
+            if self.sample_after_execute and output is None and hasattr(self, "sample_tokens"):
+                output = self.sample_tokens(None)
+            return output
+
+    SpecCompatMultiprocExecutor.__qualname__ = SpecCompatMultiprocExecutor.__name__
+    _SUBCLASSES[base] = SpecCompatMultiprocExecutor
+    return SpecCompatMultiprocExecutor
+
+
+def installed_executor_class(ctx: Context, patcher: Patcher) -> type:
+    """The spec_compat subclass under the generator's MultiprocExecutor name (installed once)."""
+    module = _generator(ctx)
+    current = module.MultiprocExecutor
+    if current in _SUBCLASSES.values():
+        return current  # type: ignore[no-any-return]
+    subclass = make_executor_class(current)
+    patcher.replace("executor", module, "MultiprocExecutor", subclass)
+    worker = ctx.worker
+    if worker is not None:
+        extension = worker.HiddenStatesWorkerExtension
+        methods = frozenset(name for name, value in vars(extension).items() if callable(value))
+        patcher.replace("executor", subclass, "extension_methods", methods)
+    return subclass
+
+
+def _set_flag(ctx: Context, patcher: Patcher, adapter_id: str, name: str, value: Any) -> None:
+    patcher.replace(adapter_id, installed_executor_class(ctx, patcher), name, value)
+
+
+# ---- worker-side adapters reach the workers ---------------------------------------------------------
+
+
+def probe_worker_adapters(ctx: Context) -> Probe:
+    return Probe(True, "worker processes need the worker-side adapters (spawned workers do not inherit patches)")
+
+
+def apply_worker_adapters(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "worker-adapters", "worker_options_json", ctx.options.to_json())
+
+
+# ---- collective_rpc(unique_reply_rank=k): failures on other ranks are dropped -----------------------
+
+
+def probe_all_ranks_reply(ctx: Context) -> Probe:
+    return Probe(
+        True,
+        "with unique_reply_rank vLLM only reads rank k's reply: an exception on another rank is "
+        "logged in that worker and never reaches the caller",
+    )
+
+
+def apply_all_ranks_reply(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "rpc-all-ranks-reply", "all_ranks_reply", True)
+
+
+# ---- collective_rpc(unique_reply_rank=k) return shape -------------------------------------------------
+# vLLM <= 0.11.0 returned [result]; 0.11.2+ returns the result itself (PR in 0.11.2 with
+# kv_output_aggregator). speculators 0.3.0 indexes [0]; 0.4.x uses the value.
+
+
+def _vllm_returns_bare_value(base: type) -> bool:
+    import inspect
+
+    return "kv_output_aggregator" in inspect.signature(base.collective_rpc).parameters
+
+
+def probe_reply_shape(ctx: Context) -> Probe:
+    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    expects_list = speculators_code.indexes_unique_reply(generate)
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    bare = _vllm_returns_bare_value(MultiprocExecutor)
+    if expects_list and bare:
+        return Probe(True, "speculators indexes the reply [0]; this vLLM returns the bare rank result")
+    if not expects_list and not bare:
+        return Probe(False, "speculators uses the reply as a dict; this vLLM returns a one-element list", blocking=True)
+    return Probe(False, "reply shape matches what speculators expects")
+
+
+def apply_reply_shape(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "rpc-reply-shape", "reply_as_list", True)
+
+
+# ---- execute_model() + sample_tokens() split (vLLM 0.11.2) -----------------------------------------
+
+
+def probe_sample_tokens(ctx: Context) -> Probe:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    if not hasattr(MultiprocExecutor, "sample_tokens"):
+        return Probe(False, "this vLLM samples inside execute_model")
+    if speculators_code.calls_method(generate, "sample_tokens"):
+        return Probe(False, "speculators calls sample_tokens() itself")
+    return Probe(True, "execute_model() returns None and sample_tokens() must follow; speculators never calls it")
+
+
+def apply_sample_tokens(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "execute-then-sample", "sample_after_execute", True)
+
+
+# ---- KV cache layout (vLLM 0.29.0) -----------------------------------------------------------------
+
+
+def probe_kv_layout(ctx: Context) -> Probe:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if not hasattr(MultiprocExecutor, "set_kv_cache_layout"):
+        return Probe(False, "this vLLM has no engine-resolved KV cache layout")
+    try:
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: F401
+    except ImportError:
+        return Probe(False, "set_kv_cache_layout exists but resolve_kv_cache_layout does not", blocking=True)
+    return Probe(True, "the engine core resolves the KV cache layout and sends it to workers; speculators does not")
+
+
+def apply_kv_layout(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "kv-cache-layout", "resolve_kv_layout", True)
+
+
+# ---- Model Runner V2 has no input_batch (default from 0.22.1 on GPU) ----------------------------------
+
+
+def probe_v1_model_runner(ctx: Context) -> Probe:
+    worker = ctx.worker
+    if worker is None:
+        return Probe(False, "speculators worker module not loaded")
+    store = worker.HiddenStatesWorkerExtension._store_captured_states
+    if "input_batch" not in speculators_code.attribute_names_used(store):
+        return Probe(False, "speculators' worker does not read model_runner.input_batch")
+    import vllm.envs as vllm_envs
+
+    if "VLLM_USE_V2_MODEL_RUNNER" not in dir(vllm_envs):
+        return Probe(False, "this vLLM has no Model Runner V2 switch")
+    return Probe(True, "speculators reads model_runner.input_batch, which Model Runner V2 does not have")
+
+
+def apply_v1_model_runner(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "model-runner-v1", "force_v1_model_runner", True)

@@ -1,0 +1,341 @@
+"""Wrappers around ``VllmHiddenStatesGenerator.__init__`` / ``generate``: checks and ordering.
+
+They patch speculators' own class, so vLLM is untouched. Each wrapper is a separate registry
+adapter; the wrapped originals stay reachable through ``__wrapped__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import warnings
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..contract import check_results
+from ..errors import IncompatibleError
+from ..options import Context
+from ..patching import Patcher
+from . import speculators_code
+from .driver_calls import _generator
+from .probe import Probe
+
+GeneratorMethod = Callable[..., Any]
+
+
+def _wrap_method(ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]) -> None:
+    cls = _generator(ctx).VllmHiddenStatesGenerator
+    original = getattr(cls, name)
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.spec_compat_adapter = adapter_id  # type: ignore[attr-defined]
+    patcher.replace(adapter_id, cls, name, wrapper)
+
+
+# ---- input validation ---------------------------------------------------------------------------------
+
+
+def _vocab_size(generator: Any) -> int | None:
+    model_config = generator.vllm_config.model_config
+    getter = getattr(model_config, "get_vocab_size", None)
+    try:
+        return int(getter()) if getter is not None else int(model_config.hf_text_config.vocab_size)
+    except Exception:  # noqa: BLE001 - unknown vocabulary: skip the range check, not the others
+        return None
+
+
+def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int]]:
+    """The batch as lists of ints, or a ValueError/TypeError that names the bad element."""
+    import torch
+
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.ndim != 2:
+            raise ValueError(f"token_ids tensor must be 2-D [batch, tokens], got shape {list(token_ids.shape)}")
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise TypeError(f"token_ids tensor must have an integer dtype, got {token_ids.dtype}")
+        rows: list[Any] = token_ids.tolist()
+    elif isinstance(token_ids, (list, tuple)):
+        rows = list(token_ids)
+    else:
+        raise TypeError(f"token_ids must be a list of token-id sequences or a 2-D tensor, got {type(token_ids).__name__}")
+    if not rows:
+        raise ValueError("token_ids is empty: pass at least one sequence")
+    batch: list[list[int]] = []
+    for i, row in enumerate(rows):
+        if isinstance(row, torch.Tensor):
+            if row.ndim != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
+                raise TypeError(f"token_ids[{i}] must be a 1-D integer tensor, got {row.dtype} shape {list(row.shape)}")
+            row = row.tolist()
+        if not isinstance(row, (list, tuple)):
+            raise TypeError(f"token_ids[{i}] must be a sequence of ints, got {type(row).__name__}")
+        if len(row) == 0:
+            raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
+        for j, token in enumerate(row):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"token_ids[{i}][{j}] = {token!r} is not an int")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"token_ids[{i}][{j}] = {token} is outside the vocabulary [0, {vocab_size})")
+        batch.append(list(row))
+    return batch
+
+
+def _max_prompt_len(generator: Any) -> int:
+    return int(generator.vllm_config.model_config.max_model_len) - 1  # max_tokens=1 must still fit
+
+
+def probe_input_validation(ctx: Context) -> Probe:
+    return Probe(True, "generate() would send malformed or out-of-vocabulary ids into the engine")
+
+
+def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            batch = normalise_token_ids(token_ids, _vocab_size(self))
+            limit = _max_prompt_len(self)
+            too_long = [i for i, ids in enumerate(batch) if len(ids) > limit]
+            if too_long:
+                warnings.warn(
+                    f"{len(too_long)} sequence(s) (indices {too_long[:10]}) are longer than "
+                    f"max_model_len - 1 = {limit} tokens and are truncated to it, as speculators does",
+                    stacklevel=2,
+                )
+            return original(self, batch, *args, **kwargs)
+
+        return generate
+
+    _wrap_method(ctx, patcher, "input-validation", "generate", make)
+
+
+# ---- layer ids ------------------------------------------------------------------------------------------
+# Both speculators versions keep layer ids in a frozenset and capture in model order: duplicates
+# come back once and an unsorted list comes back sorted, so hidden_states[k] would silently not be
+# layer_ids[k].
+
+
+def probe_layer_ids(ctx: Context) -> Probe:
+    return Probe(True, "captures come back once per distinct layer, in ascending layer order")
+
+
+def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
+    def make_init(original: GeneratorMethod) -> GeneratorMethod:
+        def __init__(self: Any, model_path: str, layer_ids: Sequence[int] | None = None, *args: Any, **kwargs: Any) -> None:
+            if layer_ids is not None:
+                layer_ids = list(layer_ids)
+                bad = [x for x in layer_ids if isinstance(x, bool) or not isinstance(x, int)]
+                if bad:
+                    raise TypeError(f"layer_ids must be ints, got {bad}")
+                duplicates = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
+                if duplicates:
+                    raise ValueError(f"layer_ids {layer_ids} repeat {duplicates}; each layer is captured once")
+                if not layer_ids:
+                    raise ValueError("layer_ids is empty: name at least one layer")
+            original(self, model_path, layer_ids, *args, **kwargs)
+
+        return __init__
+
+    def make_generate(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            results = original(self, token_ids, *args, **kwargs)
+            requested = list(self.layer_ids)
+            captured = sorted(requested)
+            if requested == captured or not isinstance(results, list):
+                return results
+            position = {layer: k for k, layer in enumerate(captured)}
+            for result in results:
+                states = result.get("hidden_states") if isinstance(result, dict) else None
+                if isinstance(states, list) and len(states) == len(captured):
+                    result["hidden_states"] = [states[position[layer]] for layer in requested]
+            return results
+
+        return generate
+
+    _wrap_method(ctx, patcher, "layer-ids", "__init__", make_init)
+    _wrap_method(ctx, patcher, "layer-ids", "generate", make_generate)
+
+
+# ---- results in input order (speculators 0.4.x sorts request ids as strings) ---------------------------
+
+
+def _sorts_request_ids(generate: GeneratorMethod) -> bool:
+    tree = speculators_code._tree_of(generate)
+    return any(
+        isinstance(node, ast.For)
+        and isinstance(node.iter, ast.Call)
+        and isinstance(node.iter.func, ast.Name)
+        and node.iter.func.id == "sorted"
+        for node in ast.walk(tree)
+    )
+
+
+def probe_input_order(ctx: Context) -> Probe:
+    if _sorts_request_ids(_generator(ctx).VllmHiddenStatesGenerator.generate):
+        return Probe(True, "generate() returns results in sorted(request_id) order: 'req_0_10' < 'req_0_2'")
+    return Probe(False, "generate() returns results in input order")
+
+
+def reorder_to_inputs(results: list[Any], inputs: list[list[int]]) -> list[Any]:
+    """Put results back in input order by their input_ids (equal inputs are interchangeable)."""
+    by_ids: defaultdict[tuple[int, ...], deque[Any]] = defaultdict(deque)
+    for result in results:
+        ids = result["input_ids"]
+        by_ids[tuple(ids.tolist() if hasattr(ids, "tolist") else ids)].append(result)
+    ordered = []
+    for ids in inputs:
+        queue = by_ids.get(tuple(ids))
+        if not queue:
+            return results  # leave it to the contract check to say what is wrong
+        ordered.append(queue.popleft())
+    return ordered
+
+
+def apply_input_order(ctx: Context, patcher: Patcher) -> None:
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            results = original(self, token_ids, *args, **kwargs)
+            if not isinstance(results, list) or not all(isinstance(r, dict) and "input_ids" in r for r in results):
+                return results
+            limit = _max_prompt_len(self)
+            return reorder_to_inputs(results, [list(ids)[:limit] for ids in token_ids])
+
+        return generate
+
+    _wrap_method(ctx, patcher, "input-order", "generate", make)
+
+
+# ---- speculators 0.3.0: one scheduler step per call --------------------------------------------------
+# 0.3.0 aborts every request after its first scheduled chunk and slices one concatenated capture by
+# input offsets. That is right only if every prompt is prefilled whole, in one step, in input
+# order. Split the batch into sub-batches that fit one step, and verify what ran.
+
+
+def probe_single_step(ctx: Context) -> Probe:
+    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    if speculators_code.finishes_requests_inside_schedule_loop(generate):
+        return Probe(True, "generate() aborts every request after its first scheduled chunk (and slices by input offsets)")
+    return Probe(False, "generate() finishes requests only after the schedule loop")
+
+
+def plan_single_step_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int, max_kv_tokens: int | None, block_size: int) -> list[list[int]]:
+    """Greedy split of input indices into runs that one scheduler step prefills whole."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    tokens = blocks = 0
+    for index, length in enumerate(lengths):
+        if length > max_tokens:
+            raise ValueError(
+                f"sequence {index} has {length} tokens but one scheduler step takes at most {max_tokens} "
+                "(max_num_batched_tokens); speculators 0.3.0 would silently keep only the first chunk. "
+                "Raise max_num_batched_tokens or use speculators 0.4.x"
+            )
+        need_blocks = math.ceil((length + 1) / block_size)
+        if max_kv_tokens is not None and need_blocks * block_size > max_kv_tokens:
+            raise ValueError(f"sequence {index} ({length} tokens) does not fit the KV cache ({max_kv_tokens} tokens)")
+        fits = (
+            len(current) < max_seqs
+            and tokens + length <= max_tokens
+            and (max_kv_tokens is None or (blocks + need_blocks) * block_size <= max_kv_tokens)
+        )
+        if current and not fits:
+            batches.append(current)
+            current, tokens, blocks = [], 0, 0
+        current.append(index)
+        tokens += length
+        blocks += need_blocks
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _verify_single_step(executor: Any, request_lengths: list[int], steps_before: int) -> None:
+    steps = executor.step_log[steps_before:]
+    ran = [step for step in steps if step]
+    if len(ran) != 1:
+        raise IncompatibleError(f"expected the sub-batch to run in one scheduler step, it ran in {len(ran)}: {ran}")
+    scheduled = [n for _, n in ran[0]]
+    if scheduled != request_lengths:
+        raise IncompatibleError(
+            f"scheduler step did not prefill the sub-batch whole and in order: expected token counts "
+            f"{request_lengths}, scheduled {scheduled}"
+        )
+
+
+def apply_single_step(ctx: Context, patcher: Patcher) -> None:
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            limit = _max_prompt_len(self)
+            batch = [list(ids)[:limit] for ids in token_ids]
+            scheduler = self.scheduler
+            cache_config = self.vllm_config.cache_config
+            num_blocks = getattr(cache_config, "num_gpu_blocks", None)
+            block_size = int(cache_config.block_size)
+            plan = plan_single_step_batches(
+                [len(ids) for ids in batch],
+                max_tokens=int(scheduler.max_num_scheduled_tokens),
+                max_seqs=int(scheduler.max_num_running_reqs),
+                max_kv_tokens=(int(num_blocks) - 1) * block_size if num_blocks else None,
+                block_size=block_size,
+            )
+            results: list[Any] = []
+            for indices in plan:
+                sub_batch = [batch[i] for i in indices]
+                steps_before = len(getattr(self.executor, "step_log", []))
+                results.extend(original(self, sub_batch, *args, **kwargs))
+                if hasattr(self.executor, "step_log"):
+                    _verify_single_step(self.executor, [len(ids) for ids in sub_batch], steps_before)
+                _verify_worker_order(self)
+            return results
+
+        return generate
+
+    _wrap_method(ctx, patcher, "single-step-batches", "generate", make)
+
+
+def _verify_worker_order(generator: Any) -> None:
+    """The worker's batch order for each capture must be the scheduler's (input) order."""
+    try:
+        logs = generator.executor.collective_rpc("_spec_compat_take_batch_log")
+    except Exception:  # noqa: BLE001 - the worker adapter is not there: nothing to compare
+        return
+    log = logs[0] if isinstance(logs, list) and logs else None
+    if not log:
+        return
+    steps = generator.executor.step_log
+    expected = [req_id for req_id, _ in steps[-1]] if steps else None
+    for worker_order in log:
+        if expected is not None and [r for r in worker_order if r is not None] != expected:
+            raise IncompatibleError(
+                f"the worker batched requests in order {worker_order}, the scheduler in {expected}: "
+                "speculators 0.3.0 would slice states of the wrong requests"
+            )
+
+
+# ---- results contract -----------------------------------------------------------------------------------
+
+
+def _hidden_size(generator: Any) -> int | None:
+    model_config = generator.vllm_config.model_config
+    getter = getattr(model_config, "get_hidden_size", None)
+    try:
+        return int(getter()) if getter is not None else int(model_config.hf_text_config.hidden_size)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def probe_results_contract(ctx: Context) -> Probe:
+    if not ctx.options.check_results:
+        return Probe(False, "disabled by apply(check_results=False)")
+    return Probe(True, "every generate() result is checked: count, order, input_ids, layers, shapes, finite")
+
+
+def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            results = original(self, token_ids, *args, **kwargs)
+            limit = _max_prompt_len(self)
+            check_results(results, [list(ids)[:limit] for ids in token_ids], list(self.layer_ids), _hidden_size(self))
+            return results
+
+        return generate
+
+    _wrap_method(ctx, patcher, "results-contract", "generate", make)

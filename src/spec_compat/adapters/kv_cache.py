@@ -1,0 +1,168 @@
+"""Driver-side adapters for the hand-rolled KV-cache set-up in the generator's ``__init__``."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
+from ..options import Context
+from ..patching import Patcher
+from . import speculators_code
+from .driver_calls import _generator, _install, _passes_keyword
+from .probe import Probe
+
+# ---- get_kv_cache_config_from_groups(kv_cache_specs=...) -----------------------------------------
+# vLLM 0.12.0 dropped kv_cache_specs (0.11.x required it). speculators 0.3.0 passes it, 0.4.x not.
+
+
+def _specs_from_groups(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {name: group.kv_cache_spec for group in kwargs["kv_cache_groups"] for name in group.layer_names}
+
+
+def probe_kv_config_signature(ctx: Context) -> Probe:
+    target = innermost(_generator(ctx).get_kv_cache_config_from_groups)
+    passes = _passes_keyword(ctx, "get_kv_cache_config_from_groups", "kv_cache_specs")
+    if passes and not accepts(target, "kv_cache_specs"):
+        return Probe(True, "speculators passes kv_cache_specs, removed in vLLM 0.12.0")
+    if not passes and required(target, "kv_cache_specs"):
+        return Probe(True, "this vLLM requires kv_cache_specs; speculators does not pass it")
+    return Probe(False, "get_kv_cache_config_from_groups binds the speculators call as is")
+
+
+def apply_kv_config_signature(ctx: Context, patcher: Patcher) -> None:
+    target = innermost(_generator(ctx).get_kv_cache_config_from_groups)
+    if accepts(target, "kv_cache_specs"):
+        plan = KeywordPlan(add={"kv_cache_specs": _specs_from_groups})
+    else:
+        plan = KeywordPlan(drop=frozenset({"kv_cache_specs"}))
+    _install(ctx, patcher, "kv-config-signature", "get_kv_cache_config_from_groups", plan)
+
+
+# ---- KV memory where the device reports none -------------------------------------------------------
+# speculators sizes the KV cache as free_device_memory * utilisation * 0.2. On CPU (and any device
+# whose mem_get_info gives (0, 0)) that is 0 bytes -> 0 blocks. Ask the workers, as vLLM's engine
+# core does (determine_available_memory: on CPU, VLLM_CPU_KVCACHE_SPACE).
+
+
+def _available_memory(kwargs: dict[str, Any]) -> int:
+    from .executor import executor_for
+
+    given = int(kwargs.get("available_memory") or 0)
+    if given > 0:
+        return given
+    executor = executor_for(kwargs["vllm_config"])
+    if executor is None:
+        raise RuntimeError(
+            "spec_compat: the device reported no free memory for the KV cache and no spec_compat "
+            "executor is known for this config to ask the workers"
+        )
+    return int(min(executor.determine_available_memory()))
+
+
+def probe_kv_memory(ctx: Context) -> Probe:
+    return Probe(
+        ctx.env.platform != "cuda",
+        f"platform {ctx.env.platform!r}: the device memory query speculators uses gives 0 or raises"
+        if ctx.env.platform != "cuda"
+        else "CUDA reports free memory",
+    )
+
+
+def apply_kv_memory(ctx: Context, patcher: Patcher) -> None:
+    plan = KeywordPlan(override={"available_memory": _available_memory})
+    _install(ctx, patcher, "kv-memory-from-workers", "get_kv_cache_config_from_groups", plan)
+
+
+# ---- KVCacheConfig fields the engine core fills in -------------------------------------------------
+# vLLM 0.29.0 added kv_cache_layout (resolved once, sent to workers), 0.32.0 hash_block_size and
+# cache_hit_alignment_tokens. The engine core sets them after get_kv_cache_configs(); speculators
+# does not, and workers then fail ("KV cache layout never resolved"). The engine core also sets
+# cache_config.block_size to the groups' block size.
+
+
+def _fill_engine_fields(kv_cache_config: Any, kwargs: dict[str, Any]) -> Any:
+    vllm_config = kwargs["vllm_config"]
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if groups:
+        vllm_config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in groups)
+    if hasattr(kv_cache_config, "kv_cache_layout") and kv_cache_config.kv_cache_layout is None:
+        kv_cache_config.kv_cache_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if hasattr(kv_cache_config, "hash_block_size"):
+        from vllm.v1.core import kv_cache_utils
+
+        scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        kv_cache_config.hash_block_size = hash_block_size
+        if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
+            kv_cache_config.cache_hit_alignment_tokens = kv_cache_utils.resolve_cache_hit_alignment_tokens(
+                kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
+            )
+    return kv_cache_config
+
+
+def probe_kv_config_fields(ctx: Context) -> Probe:
+    from vllm.v1.core.kv_cache_utils import KVCacheConfig
+
+    fields = set(getattr(KVCacheConfig, "__dataclass_fields__", {}))
+    engine_fields = sorted(fields & {"kv_cache_layout", "hash_block_size", "cache_hit_alignment_tokens"})
+    if engine_fields:
+        return Probe(True, f"KVCacheConfig has engine-filled fields {engine_fields}")
+    return Probe(True, "KVCacheConfig has no engine-filled fields; only cache_config.block_size is synced")
+
+
+def apply_kv_config_fields(ctx: Context, patcher: Patcher) -> None:
+    _install(ctx, patcher, "kv-config-engine-fields", "get_kv_cache_config_from_groups", KeywordPlan(), after=_fill_engine_fields)
+
+
+# ---- torch.cuda.mem_get_info() on a machine without CUDA ---------------------------------------------
+# speculators 0.3.0 calls torch.cuda.mem_get_info() / empty_cache() directly: on a CPU build
+# of torch that raises AssertionError. The generator module's own `torch` name is pointed at a
+# proxy whose `cuda` answers (0, 0) when CUDA is unavailable; torch itself is untouched.
+
+
+class _CudaProxy(types.ModuleType):
+    def __init__(self, cuda: types.ModuleType) -> None:
+        super().__init__("spec_compat_cuda_proxy")
+        self._cuda = cuda
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cuda, name)
+
+    def mem_get_info(self, *args: Any) -> tuple[int, int]:
+        return self._cuda.mem_get_info(*args) if self._cuda.is_available() else (0, 0)
+
+    def empty_cache(self) -> None:
+        if self._cuda.is_available():
+            self._cuda.empty_cache()
+
+
+class _TorchProxy(types.ModuleType):
+    def __init__(self, torch: types.ModuleType) -> None:
+        super().__init__("spec_compat_torch_proxy")
+        self._torch = torch
+        self.cuda = _CudaProxy(torch.cuda)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+
+def probe_device_memory_query(ctx: Context) -> Probe:
+    uses = speculators_code.dotted_uses(_generator(ctx).VllmHiddenStatesGenerator.__init__) | speculators_code.dotted_uses(
+        _generator(ctx).VllmHiddenStatesGenerator.generate
+    )
+    direct = sorted(u for u in uses if u.startswith("torch.cuda."))
+    if not direct:
+        return Probe(False, "speculators queries device memory through its own helpers")
+    import torch
+
+    if torch.cuda.is_available():
+        return Probe(False, f"speculators calls {direct}; CUDA is available")
+    return Probe(True, f"speculators calls {direct} directly; CUDA is not available here")
+
+
+def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
+    module = _generator(ctx)
+    patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))
+
+
+__all__ = ["CallAdapter"]

@@ -1,0 +1,108 @@
+"""Feature probes on the installed speculators code (read with ``ast``, never executed)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+GENERATOR_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
+WORKER_MODULE = "speculators.data_generation.custom_worker"
+
+
+def import_generator() -> ModuleType:
+    return importlib.import_module(GENERATOR_MODULE)
+
+
+def import_worker() -> ModuleType:
+    return importlib.import_module(WORKER_MODULE)
+
+
+def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return inspect.unwrap(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_of(fn: Callable[..., Any]) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(_unwrapped(fn))))
+
+
+@functools.lru_cache(maxsize=8)
+def module_tree(module: ModuleType) -> ast.Module:
+    return ast.parse(inspect.getsource(module))
+
+
+def attribute_names_used(fn: Callable[..., Any]) -> set[str]:
+    return {node.attr for node in ast.walk(_tree_of(fn)) if isinstance(node, ast.Attribute)}
+
+
+def dotted_uses(fn: Callable[..., Any]) -> set[str]:
+    """Dotted names such as ``torch.cuda.mem_get_info`` appearing in ``fn``."""
+    found: set[str] = set()
+    for node in ast.walk(_tree_of(fn)):
+        if isinstance(node, ast.Attribute):
+            parts: list[str] = []
+            current: ast.AST = node
+            while isinstance(current, ast.Attribute):
+                parts.append(current.attr)
+                current = current.value
+            if isinstance(current, ast.Name):
+                parts.append(current.id)
+                found.add(".".join(reversed(parts)))
+    return found
+
+
+def calls_method(fn: Callable[..., Any], method: str) -> bool:
+    return any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method
+        for node in ast.walk(_tree_of(fn))
+    )
+
+
+def indexes_unique_reply(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` subscript the result of ``collective_rpc(..., unique_reply_rank=...)``?
+
+    speculators 0.3.0 does (``captured_states_list[0]``: vLLM <= 0.11.0 returned a one-element
+    list); 0.4.x uses the value itself (vLLM >= 0.11.2 returns the bare rank result).
+    """
+    tree = _tree_of(fn)
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+            and node.value.func.attr == "collective_rpc"
+            and any(k.arg == "unique_reply_rank" for k in node.value.keywords)
+        ):
+            targets.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return any(
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in targets
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, int)
+        for node in ast.walk(tree)
+    )
+
+
+def finishes_requests_inside_schedule_loop(fn: Callable[..., Any]) -> bool:
+    """speculators 0.3.0 calls scheduler.finish_requests() inside its ``while schedule()`` loop,
+    so every request is aborted after its first scheduled chunk."""
+    for loop in ast.walk(_tree_of(fn)):
+        if isinstance(loop, ast.While) and any(
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "finish_requests"
+            for statement in loop.body
+            for node in ast.walk(statement)
+        ):
+            return True
+    return False
+
+
+def module_level_constant(module: ModuleType, name: str) -> Any:
+    return getattr(module, name, None)

