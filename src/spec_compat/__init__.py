@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .detect import Environment, detect
@@ -78,6 +79,9 @@ def _run_side(ctx: Context, side: str, report: Report, patcher: Patcher | None) 
     for adapter in ADAPTERS:
         if adapter.side != side:
             continue
+        if adapter.id in ctx.options.disable:
+            report.decisions.append(AdapterDecision(adapter.id, side, False, "disabled by the user"))
+            continue
         try:
             probe = adapter.probe(ctx)
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a finding, not a crash
@@ -124,15 +128,23 @@ def _build(options: Options, patcher: Patcher, keep_patches: bool) -> Report:
     return report
 
 
-def apply(strict: bool = False, dtype: str | None = None, check_results: bool = True) -> Report:
+def apply(
+    strict: bool = False, dtype: str | None = None, check_results: bool = True, disable: Iterable[str] = ()
+) -> Report:
     """Make the installed speculators generator work on the installed vLLM. Idempotent.
 
     ``dtype``: the model dtype the generator loads with ("float32", "bfloat16", ...; default: the
     ``SPEC_COMPAT_DTYPE`` environment variable, else speculators' "auto").
     ``strict``: raise IncompatibleError if anything cannot be made compatible.
+    ``disable``: adapter ids to leave out (also ``SPEC_COMPAT_DISABLE``), for diagnosis.
     """
     global _report
-    options = Options.from_env(dtype=dtype, check_results=check_results)
+    from .registry import BY_ID
+
+    unknown = sorted(set(disable) - set(BY_ID))
+    if unknown:
+        raise ValueError(f"unknown adapter ids {unknown}; known: {sorted(BY_ID)}")
+    options = Options.from_env(dtype=dtype, check_results=check_results, disable=tuple(disable))
     with _lock:
         if _report is not None and _report.options == options:
             report = _report

