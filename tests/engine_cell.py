@@ -67,6 +67,18 @@ def main() -> None:
                         record[name] = _tensors(generator.generate(spec[name]))
                     except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
                         record[name] = f"{type(exc).__name__}: {exc}"
+        if spec.get("fault"):
+            # An exception inside a worker RPC (speculators' own worker code raising TypeError).
+            try:
+                generator.executor.collective_rpc("_store_captured_states", args=(None,))
+                record["fault"] = None
+            except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+                record["fault"] = {
+                    "type": type(exc).__name__,
+                    "text": str(exc),
+                    "exc_type": getattr(exc, "exc_type", None),
+                    "rank": getattr(exc, "rank", None),
+                }
     finally:
         generator.executor.shutdown()
         del generator

@@ -91,6 +91,7 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
         "apply": cell.apply,
         "disable": list(cell.disable),
         "max_num_batched_tokens": cell.max_num_batched_tokens,
+        "fault": True,
     }
     spec.update(spec_extra or {})
     spec_path = work / f"{cell.name}.json"

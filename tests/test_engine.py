@@ -86,6 +86,10 @@ def test_generator_matches_hf(cell: Cell) -> None:
         assert not isinstance(long_result, str), long_result
         chunked_diff = _max_rel_diff(long_result, reference)
         assert chunked_diff <= TOLERANCE, f"chunked prefill: max relative diff vs HF {chunked_diff:.3e}"
+    fault = record["fault"]
+    assert fault is not None and fault["type"] == "WorkerError", fault
+    assert fault["exc_type"] == "TypeError" and fault["rank"] == 0, fault
+    assert "custom_worker.py" in fault["text"] and "_store_captured_states" in fault["text"], fault["text"]
     record_figure(
         cell.name,
         {
@@ -97,3 +101,25 @@ def test_generator_matches_hf(cell: Cell) -> None:
         },
     )
     print(f"{cell.name}: max rel diff {diff:.2e} (mix-up {mixup:.2e}), timings {record['timings']}")
+
+
+def test_fails_without_apply() -> None:
+    """The same run without spec_compat fails on this vLLM: the suite proves the shim is what works."""
+    record, output = run_cell(Cell("0.4.0.1", "dense", 1, apply=False))
+    assert record is None
+    assert "PydanticUndefinedAnnotation" in output or "Error" in output, output
+
+
+@pytest.mark.parametrize(
+    ("cell", "symptom"),
+    [
+        (Cell("0.4.0.1", "dense", 1, disable=("request-kwargs",)), "unexpected keyword argument 'eos_token_id'"),
+        (Cell("0.3.0", "dense", 1, disable=("executor-reply-shape",)), "Boolean value of Tensor"),
+    ],
+    ids=["0.4-without-request-kwargs", "0.3-without-reply-shape"],
+)
+def test_each_adapter_is_needed(cell: Cell, symptom: str) -> None:
+    """Leaving one adapter out reproduces the break it answers (the symptom from the API matrix)."""
+    record, output = run_cell(cell)
+    assert record is None, "the run should fail without the adapter"
+    assert symptom in output, output

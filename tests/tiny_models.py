@@ -232,15 +232,11 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
 
 def load_hf_model(model_dir: Path) -> PreTrainedModel:
     """HF reference model: float32, CPU, eager attention, eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
-def hf_layer_outputs(
-    model_dir: Path, token_ids: list[list[int]], layer_ids: list[int]
-) -> list[list[torch.Tensor]]:
+def hf_layer_outputs(model_dir: Path, token_ids: list[list[int]], layer_ids: list[int]) -> list[list[torch.Tensor]]:
     """Outputs of decoder layers ``layer_ids`` for each prompt, run alone.
 
     Returns ``result[prompt][k]`` of shape ``[num_tokens, hidden_size]`` for

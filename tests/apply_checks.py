@@ -1,0 +1,57 @@
+"""Run in a fresh interpreter with a real vLLM and speculators: apply/revert/plan behaviour."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def snapshot(modules: list[object]) -> dict[str, int]:
+    return {f"{m.__name__}.{k}": id(v) for m in modules for k, v in vars(m).items()}  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    import spec_compat
+    from spec_compat.calls import innermost
+
+    out: dict[str, object] = {}
+    planned = spec_compat.plan()
+    import speculators.data_generation.custom_worker as worker
+    import speculators.data_generation.vllm_hidden_states_generator as generator
+    import transformers.configuration_utils as configuration_utils
+
+    cls = generator.VllmHiddenStatesGenerator
+    ext = worker.HiddenStatesWorkerExtension
+    # plan() imported speculators through its temporary import adapters and left nothing behind
+    pristine = snapshot([generator, worker]) | {f"cls.{k}": id(v) for k, v in vars(cls).items()} | {
+        f"ext.{k}": id(v) for k, v in vars(ext).items()
+    }
+    out["plan_left_torch_alias"] = "torch" in vars(configuration_utils)
+    out["planned"] = planned.applied
+
+    first = spec_compat.apply()
+    second = spec_compat.apply()
+    out["idempotent"] = first is second
+    out["applied"] = first.applied
+    out["preflight_ok"] = all(f.ok for f in first.preflight)
+    out["request_is_adapter"] = generator.Request is not innermost(generator.Request)
+    wrapped_generate = cls.generate
+
+    reverted = spec_compat.revert()
+    after = snapshot([generator, worker]) | {f"cls.{k}": id(v) for k, v in vars(cls).items()} | {
+        f"ext.{k}": id(v) for k, v in vars(ext).items()
+    }
+    out["reverted_count"] = len(reverted)
+    out["revert_restores_identity"] = after == pristine
+    out["revert_removes_alias"] = "torch" not in vars(configuration_utils)
+
+    again = spec_compat.apply()
+    out["reapply_same_adapters"] = again.applied == first.applied
+    out["reapply_same_structure"] = (
+        type(cls.generate) is type(wrapped_generate) and innermost(generator.Request) is innermost(generator.Request)
+    )
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

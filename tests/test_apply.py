@@ -1,0 +1,31 @@
+"""apply() / revert() / plan() against the real vLLM and both speculators versions (no model run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import require_speculators  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("speculators", ["0.4.0.1", "0.3.0"])
+def test_apply_revert_plan(speculators: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
+    proc = subprocess.run([sys.executable, str(HERE / "apply_checks.py")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["plan_left_torch_alias"] is False
+    assert out["planned"] == out["applied"]
+    assert out["idempotent"] and out["preflight_ok"] and out["request_is_adapter"]
+    assert out["revert_restores_identity"], "revert() must put back the original objects"
+    assert out["revert_removes_alias"]
+    assert out["reapply_same_adapters"] and out["reapply_same_structure"]
+    assert out["reverted_count"] >= 15

@@ -1,0 +1,82 @@
+"""spec_compat's executor subclass against the old (list) and new (bare) collective_rpc reply shapes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from spec_compat.adapters.executor import make_executor_class
+from spec_compat.errors import WorkerError
+from spec_compat.options import WORKER_ENV
+from spec_compat.remote_errors import encode
+
+
+class FakeExecutor:
+    """Two ranks; rank r answers (method, r). ``bare``: vLLM >= 0.11.2 reply shape."""
+
+    bare = True
+    fail_rank: int | None = None
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.env_seen = {k: os.environ.get(k) for k in (WORKER_ENV, "VLLM_USE_V2_MODEL_RUNNER")}
+
+    def collective_rpc(self, method: str, timeout: Any = None, args: tuple[Any, ...] = (), kwargs: Any = None,
+                       non_block: bool = False, unique_reply_rank: int | None = None) -> Any:
+        ranks = [0, 1] if unique_reply_rank is None else [unique_reply_rank]
+        for rank in ranks:
+            if rank == self.fail_rank:
+                raise RuntimeError(f"Worker failed with error '{encode(AssertionError(), rank, method)}'")
+        replies = [(method, rank) for rank in ranks]
+        if unique_reply_rank is None:
+            return replies
+        return replies[0] if self.bare else replies
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> str:
+        return "sampled"
+
+
+def _subclass(base: type, **flags: Any) -> type:
+    cls = make_executor_class(base)
+    for name, value in flags.items():
+        setattr(cls, name, value)
+    cls.extension_methods = frozenset({"_get_captured_states"})
+    return cls
+
+
+@pytest.mark.parametrize("bare", [True, False])
+def test_reply_shape_for_speculators_030(bare: bool) -> None:
+    base = type(f"Base{bare}", (FakeExecutor,), {"bare": bare})
+    executor = _subclass(base, all_ranks_reply=True, reply_as_list=True)(vllm_config=object())
+    # every rank is asked, rank 0's reply is handed back as the one-element list 0.3.0 indexes
+    assert executor.collective_rpc("_get_captured_states", unique_reply_rank=0) == [("_get_captured_states", 0)]
+    # vLLM's own RPCs are untouched
+    assert executor.collective_rpc("execute_model", unique_reply_rank=0) == (("execute_model", 0) if bare else [("execute_model", 0)])
+
+
+def test_failure_on_a_non_reply_rank_is_reported() -> None:
+    base = type("BaseFail", (FakeExecutor,), {"fail_rank": 1})
+    quiet = _subclass(type("BaseFailQuiet", (base,), {}), all_ranks_reply=False)(vllm_config=object())
+    assert quiet.collective_rpc("_get_captured_states", unique_reply_rank=0) == ("_get_captured_states", 0)
+    loud = _subclass(base, all_ranks_reply=True)(vllm_config=object())
+    with pytest.raises(WorkerError, match="TP rank 1"):
+        loud.collective_rpc("_get_captured_states", unique_reply_rank=0)
+
+
+def test_sample_tokens_follows_execute_model_only_when_switched_on() -> None:
+    on = _subclass(type("BaseSample", (FakeExecutor,), {}), sample_after_execute=True)(vllm_config=object())
+    assert on.execute_model(type("SO", (), {"num_scheduled_tokens": {"a": 3}})()) == "sampled"
+    assert on.step_log == [[("a", 3)]]
+
+
+def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cls = _subclass(type("BaseEnv", (FakeExecutor,), {}), worker_options_json='{"dtype": null}', force_v1_model_runner=True)
+    executor = cls(vllm_config=object())
+    assert executor.env_seen == {WORKER_ENV: '{"dtype": null}', "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert WORKER_ENV not in os.environ and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
