@@ -23,9 +23,11 @@ def main() -> None:
     cls = generator.VllmHiddenStatesGenerator
     ext = worker.HiddenStatesWorkerExtension
     # plan() imported speculators through its temporary import adapters and left nothing behind
-    pristine = snapshot([generator, worker]) | {f"cls.{k}": id(v) for k, v in vars(cls).items()} | {
-        f"ext.{k}": id(v) for k, v in vars(ext).items()
-    }
+    pristine = (
+        snapshot([generator, worker])
+        | {f"cls.{k}": id(v) for k, v in vars(cls).items()}
+        | {f"ext.{k}": id(v) for k, v in vars(ext).items()}
+    )
     out["plan_left_torch_alias"] = "torch" in vars(configuration_utils)
     out["planned"] = planned.applied
 
@@ -38,18 +40,20 @@ def main() -> None:
     wrapped_generate = cls.generate
 
     reverted = spec_compat.revert()
-    after = snapshot([generator, worker]) | {f"cls.{k}": id(v) for k, v in vars(cls).items()} | {
-        f"ext.{k}": id(v) for k, v in vars(ext).items()
-    }
+    after = (
+        snapshot([generator, worker])
+        | {f"cls.{k}": id(v) for k, v in vars(cls).items()}
+        | {f"ext.{k}": id(v) for k, v in vars(ext).items()}
+    )
     out["reverted_count"] = len(reverted)
     out["revert_restores_identity"] = after == pristine
     out["revert_removes_alias"] = "torch" not in vars(configuration_utils)
 
     again = spec_compat.apply()
     out["reapply_same_adapters"] = again.applied == first.applied
-    out["reapply_same_structure"] = (
-        type(cls.generate) is type(wrapped_generate) and innermost(generator.Request) is innermost(generator.Request)
-    )
+    out["reapply_same_structure"] = type(cls.generate) is type(wrapped_generate) and innermost(
+        generator.Request
+    ) is innermost(generator.Request)
     json.dump(out, sys.stdout)
 
 

@@ -21,7 +21,8 @@ def _tensors(results: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as handle:
+        spec = json.load(handle)
     out_path = sys.argv[2]
     record: dict[str, Any] = {"timings": {}}
     t0 = time.perf_counter()
@@ -56,7 +57,9 @@ def main() -> None:
         record["results"] = _tensors(results)
         again = generator.generate(spec["prompts"])
         record["repeat_equal"] = all(
-            torch.equal(a, b) for x, y in zip(results, again) for a, b in zip(x["hidden_states"], y["hidden_states"])
+            torch.equal(a, b)
+            for x, y in zip(results, again, strict=True)
+            for a, b in zip(x["hidden_states"], y["hidden_states"], strict=True)
         )
         if spec.get("chunk_budget"):
             # A small per-step token budget forces chunked prefill (what max_num_batched_tokens sets).
@@ -89,6 +92,6 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
         traceback.print_exc()
         sys.exit(3)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_harness import require_speculators  # noqa: E402
+from engine_harness import require_speculators
 
 HERE = Path(__file__).resolve().parent
 
@@ -19,7 +19,9 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.parametrize("speculators", ["0.4.0.1", "0.3.0"])
 def test_apply_revert_plan(speculators: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
-    proc = subprocess.run([sys.executable, str(HERE / "apply_checks.py")], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "apply_checks.py")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["plan_left_torch_alias"] is False

@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_harness import CHUNK_BUDGET, LAYER_IDS, Cell, model_dir, prompts, record_figure, run_cell  # noqa: E402
+from engine_harness import CHUNK_BUDGET, LAYER_IDS, Cell, model_dir, prompts, record_figure, run_cell
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +30,7 @@ FAMILIES = ["dense", "qwen3_moe", "deepseek_v3"]
 TOLERANCE = 1e-3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_reference(family: str) -> list[list[Any]]:
     from tiny_models import hf_layer_outputs
 
@@ -80,7 +80,9 @@ def test_generator_matches_hf(cell: Cell) -> None:
     long_result = record["chunk_prompts_long"]
     if cell.speculators.startswith("0.3"):
         # 0.3.0 cannot continue a request after its first chunk: refused, never mis-sliced.
-        assert isinstance(long_result, str) and long_result.startswith("ValueError") and "0.3.0" in long_result, long_result
+        assert isinstance(long_result, str) and long_result.startswith("ValueError") and "0.3.0" in long_result, (
+            long_result
+        )
         chunked_diff = None
     else:
         assert not isinstance(long_result, str), long_result

@@ -14,7 +14,12 @@ Constraints the configs respect (vLLM 0.32 on CPU):
   (vLLM forces it);
 * DeepSeek-V3 routing needs ``scoring_func="sigmoid"`` and
   ``topk_method="noaux_tc"`` in the config: vLLM defaults to softmax routing
-  without the correction bias, while HF always uses sigmoid + bias.
+  without the correction bias, while HF always uses sigmoid + bias;
+* DeepSeek-V3 uses YaRN rope, as the real model does. With the default rope,
+  vLLM's CPU ``rotary_embedding`` kernel reads MLA's 3-D query
+  ``[tokens, heads, rope_dim]`` as ``tokens * heads`` one-head tokens (wrong,
+  batch-dependent positions), so vLLM disagrees with HF; the YaRN rope class
+  runs PyTorch-native code on CPU and matches.
 """
 
 from __future__ import annotations
@@ -115,7 +120,18 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         config_kwargs={
             **_COMMON,
             "num_key_value_heads": 4,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+            # YaRN as in the real DeepSeek-V3 (there: factor 40 over 4096).
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
             "rope_interleave": True,
             "q_lora_rank": 96,
             "kv_lora_rank": 512,

@@ -31,6 +31,7 @@ def main() -> int:
     print(report)
 
     from speculators.data_generation import VllmHiddenStatesGenerator
+
     from tiny_models import build_model, hf_layer_outputs
 
     model = build_model(args.family, args.model_dir / args.family)
@@ -38,7 +39,9 @@ def main() -> int:
     prompts = [[(31 * i + 7 * j) % 480 + 10 for j in range(4 + 9 * i)] for i in range(13)]
 
     started = time.perf_counter()
-    generator = VllmHiddenStatesGenerator(str(model), layer_ids=layer_ids, max_model_len=512, tensor_parallel_size=args.tp)
+    generator = VllmHiddenStatesGenerator(
+        str(model), layer_ids=layer_ids, max_model_len=512, tensor_parallel_size=args.tp
+    )
     print(f"engine start: {time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
     results = generator.generate(prompts)
@@ -50,12 +53,14 @@ def main() -> int:
     reference = hf_layer_outputs(model, prompts, layer_ids)
     worst = 0.0
     for got, want in zip(results, reference, strict=True):
-        for layer, g, w in zip(layer_ids, got["hidden_states"], want, strict=True):
+        for g, w in zip( got["hidden_states"], want, strict=True):
             diff = float((g.float() - w).abs().max())
             worst = max(worst, diff / max(1.0, float(w.abs().max())))
     verdict = "OK" if worst <= 1e-3 else "MISMATCH"
-    print(f"max relative difference vs HF transformers over {len(prompts)} prompts x {len(layer_ids)} layers: "
-          f"{worst:.2e} -> {verdict}")
+    print(
+        f"max relative difference vs HF transformers over {len(prompts)} prompts x {len(layer_ids)} layers: "
+        f"{worst:.2e} -> {verdict}"
+    )
     return 0 if verdict == "OK" else 1
 
 

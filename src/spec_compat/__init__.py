@@ -1,7 +1,7 @@
 """spec_compat: run speculators' untouched VllmHiddenStatesGenerator on any vLLM.
 
-    import spec_compat; spec_compat.apply()
-    from speculators.data_generation import VllmHiddenStatesGenerator
+import spec_compat; spec_compat.apply()
+from speculators.data_generation import VllmHiddenStatesGenerator
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ class Report:
         return not self.problems
 
     def __str__(self) -> str:
-        lines = [f"spec_compat {__version__}: vLLM {self.env.vllm.describe()} ({self.env.vllm_distribution}), "
-                 f"speculators {self.env.speculators.describe()}, platform {self.env.platform}"]
+        lines = [
+            f"spec_compat {__version__}: vLLM {self.env.vllm.describe()} ({self.env.vllm_distribution}), "
+            f"speculators {self.env.speculators.describe()}, platform {self.env.platform}"
+        ]
         for d in self.decisions:
             mark = "APPLY" if d.applies else ("BLOCK" if d.blocking else "  -  ")
             lines.append(f"  [{mark}] {d.id:34s} {d.reason}")
@@ -85,7 +87,9 @@ def _run_side(ctx: Context, side: str, report: Report, patcher: Patcher | None) 
         try:
             probe = adapter.probe(ctx)
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a finding, not a crash
-            report.decisions.append(AdapterDecision(adapter.id, side, False, f"probe failed: {type(exc).__name__}: {exc}", True))
+            report.decisions.append(
+                AdapterDecision(adapter.id, side, False, f"probe failed: {type(exc).__name__}: {exc}", True)
+            )
             report.problems.append(f"{adapter.id}: probe failed: {type(exc).__name__}: {exc}")
             continue
         report.decisions.append(AdapterDecision(adapter.id, side, probe.applies, probe.reason, probe.blocking))

@@ -27,9 +27,14 @@ def accepts(target: Callable[..., Any], name: str) -> bool:
 
 def required(target: Callable[..., Any], name: str) -> bool:
     param = signature_of(target).parameters.get(name)
-    return param is not None and param.default is param.empty and param.kind in (
-        param.POSITIONAL_OR_KEYWORD,
-        param.KEYWORD_ONLY,
+    return (
+        param is not None
+        and param.default is param.empty
+        and param.kind
+        in (
+            param.POSITIONAL_OR_KEYWORD,
+            param.KEYWORD_ONLY,
+        )
     )
 
 

@@ -64,8 +64,10 @@ def contract_violations(
                 problems.append(f"{label}: expected a tensor, got {type(tensor).__name__}")
                 continue
             want = [len(expected), hidden_size if hidden_size is not None else "hidden_size"]
-            if tensor.ndim != 2 or tensor.shape[0] != len(expected) or (
-                hidden_size is not None and tensor.shape[1] != hidden_size
+            if (
+                tensor.ndim != 2
+                or tensor.shape[0] != len(expected)
+                or (hidden_size is not None and tensor.shape[1] != hidden_size)
             ):
                 problems.append(f"{label}: expected shape {want}, got {list(tensor.shape)}")
                 continue

@@ -25,7 +25,7 @@ class Environment:
     platform: str  # "cuda", "rocm", "cpu" or "unknown"
     notes: tuple[str, ...] = field(default=())
 
-    def as_dict(self) -> dict[str, str | None | bool | list[str]]:
+    def as_dict(self) -> dict[str, str | bool | list[str] | None]:
         return {
             "vllm_distribution": self.vllm_distribution,
             "vllm": self.vllm.describe(),

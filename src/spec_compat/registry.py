@@ -342,8 +342,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         id="layer-ids",
         side="driver",
         patches="VllmHiddenStatesGenerator.__init__ (reject duplicates) and generate (requested layer order)",
-        why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not "
-        "layer_ids[k]",
+        why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k]",
         vllm_change="none: speculators keeps layer ids in a frozenset",
         detect="always",
         delete_when="speculators validates and orders layer ids",

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (signature tables read best one per line)
 """Fake "vLLM" callables with the old and new signature shapes, and a fake generator module whose
 source makes the calls speculators 0.3.0 / 0.4.x make (read by the adapters' AST probes)."""
 
@@ -23,7 +24,7 @@ def vllm_callable(name: str, params: str) -> Any:
     namespace: dict[str, Any] = {}
     body = ", ".join(p.split("=")[0].strip() for p in params.split(",") if p.strip() and p.strip() != "*")
     source = f"def __init__(self, {params}):\n    type(self).calls.append(dict(zip({body.split(', ')!r}, [{body}])))\n"
-    exec(source, namespace)  # noqa: S102 - builds a signature shape for a test double
+    exec(source, namespace)
     cls = type(name, (), {"__init__": namespace["__init__"], "calls": [], "__module__": "vllm.fake"})
     return cls
 

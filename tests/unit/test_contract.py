@@ -14,7 +14,11 @@ HIDDEN = 8
 def _valid(lengths: list[int], layers: int) -> tuple[list[list[int]], list[dict[str, object]]]:
     inputs = [[(i * 7 + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
     results = [
-        {"input_ids": torch.tensor(ids), "hidden_states": [torch.randn(len(ids), HIDDEN) for _ in range(layers)], "loss_mask": None}
+        {
+            "input_ids": torch.tensor(ids),
+            "hidden_states": [torch.randn(len(ids), HIDDEN) for _ in range(layers)],
+            "loss_mask": None,
+        }
         for ids in inputs
     ]
     return inputs, results
@@ -30,7 +34,9 @@ def test_valid_results_pass(lengths: list[int], layers: int) -> None:
     assert contract_violations(results, inputs, list(range(layers)), HIDDEN) == []
 
 
-@given(batches, st.integers(1, 4), st.sampled_from(["drop", "swap", "shape", "nan", "layers", "ids", "flatten"]), st.data())
+@given(
+    batches, st.integers(1, 4), st.sampled_from(["drop", "swap", "shape", "nan", "layers", "ids", "flatten"]), st.data()
+)
 @settings(max_examples=100, deadline=None)
 def test_corruptions_are_caught(lengths: list[int], layers: int, corruption: str, data: st.DataObject) -> None:
     inputs, results = _valid(lengths, layers)

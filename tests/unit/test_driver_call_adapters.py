@@ -55,9 +55,11 @@ def test_every_call_binds_after_adapters(tmp_path: Path, speculators: str, shape
     shapes = OLD if shape_name == "old" else NEW
     module = fake_generator(tmp_path, speculators, shapes)
     broken_before = {
-        name for name, call in SPEC_CALLS[speculators].items() if bind_problem(getattr(module, name), 0, _keywords(call))
+        name
+        for name, call in SPEC_CALLS[speculators].items()
+        if bind_problem(getattr(module, name), 0, _keywords(call))
     }
-    patcher, applied = _apply(module)
+    patcher, _ = _apply(module)
     try:
         for name, call in SPEC_CALLS[speculators].items():
             target, names = names_reaching_target(getattr(module, name), _keywords(call))

@@ -23,8 +23,15 @@ class FakeExecutor:
         self.vllm_config = vllm_config
         self.env_seen = {k: os.environ.get(k) for k in (WORKER_ENV, "VLLM_USE_V2_MODEL_RUNNER")}
 
-    def collective_rpc(self, method: str, timeout: Any = None, args: tuple[Any, ...] = (), kwargs: Any = None,
-                       non_block: bool = False, unique_reply_rank: int | None = None) -> Any:
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: Any = None,
+        args: tuple[Any, ...] = (),
+        kwargs: Any = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
         ranks = [0, 1] if unique_reply_rank is None else [unique_reply_rank]
         for rank in ranks:
             if rank == self.fail_rank:
@@ -56,7 +63,9 @@ def test_reply_shape_for_speculators_030(bare: bool) -> None:
     # every rank is asked, rank 0's reply is handed back as the one-element list 0.3.0 indexes
     assert executor.collective_rpc("_get_captured_states", unique_reply_rank=0) == [("_get_captured_states", 0)]
     # vLLM's own RPCs are untouched
-    assert executor.collective_rpc("execute_model", unique_reply_rank=0) == (("execute_model", 0) if bare else [("execute_model", 0)])
+    assert executor.collective_rpc("execute_model", unique_reply_rank=0) == (
+        ("execute_model", 0) if bare else [("execute_model", 0)]
+    )
 
 
 def test_failure_on_a_non_reply_rank_is_reported() -> None:
@@ -76,7 +85,9 @@ def test_sample_tokens_follows_execute_model_only_when_switched_on() -> None:
 
 def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    cls = _subclass(type("BaseEnv", (FakeExecutor,), {}), worker_options_json='{"dtype": null}', force_v1_model_runner=True)
+    cls = _subclass(
+        type("BaseEnv", (FakeExecutor,), {}), worker_options_json='{"dtype": null}', force_v1_model_runner=True
+    )
     executor = cls(vllm_config=object())
     assert executor.env_seen == {WORKER_ENV: '{"dtype": null}', "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert WORKER_ENV not in os.environ and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ

@@ -20,7 +20,12 @@ def test_empty_message_keeps_type_rank_and_traceback() -> None:
     with pytest.raises(WorkerError) as info:
         raise_decoded(vllm_error)
     error = info.value
-    assert (error.exc_type, error.message, error.rank, error.method) == ("AssertionError", "", 1, "_get_captured_states")
+    assert (error.exc_type, error.message, error.rank, error.method) == (
+        "AssertionError",
+        "",
+        1,
+        "_get_captured_states",
+    )
     assert "_raise_empty_assertion" in error.remote_traceback
     assert "AssertionError: (empty message) [in worker TP rank 1" in str(error)
 

@@ -22,7 +22,9 @@ from spec_compat.versions import at_least, parse_version
         ("", "unknown", (), None, None),
     ],
 )
-def test_parse_known_strings(raw: str, kind: str, release: tuple[int, ...], sha: str | None, accelerator: str | None) -> None:
+def test_parse_known_strings(
+    raw: str, kind: str, release: tuple[int, ...], sha: str | None, accelerator: str | None
+) -> None:
     parsed = parse_version(raw)
     assert (parsed.kind, parsed.release, parsed.git_sha, parsed.accelerator) == (kind, release, sha, accelerator)
 
@@ -42,7 +44,9 @@ def test_nightly_counts_as_its_release_line() -> None:
     st.one_of(st.none(), st.text("0123456789abcdef", min_size=7, max_size=12)),
     st.sampled_from([None, "cu129", "cu130", "cpu", "rocm6"]),
 )
-def test_parser_roundtrip(release: tuple[int, int, int], rc: int | None, dev: int | None, sha: str | None, acc: str | None) -> None:
+def test_parser_roundtrip(
+    release: tuple[int, int, int], rc: int | None, dev: int | None, sha: str | None, acc: str | None
+) -> None:
     text = ".".join(map(str, release))
     if rc is not None:
         text += f"rc{rc}"

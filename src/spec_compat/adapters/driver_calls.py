@@ -90,7 +90,13 @@ def probe_prefix_caching_off(ctx: Context) -> Probe:
 
 
 def apply_prefix_caching_off(ctx: Context, patcher: Patcher) -> None:
-    _install(ctx, patcher, "prefix-caching-off", "CacheConfig", KeywordPlan(override={"enable_prefix_caching": lambda kw: False}))
+    _install(
+        ctx,
+        patcher,
+        "prefix-caching-off",
+        "CacheConfig",
+        KeywordPlan(override={"enable_prefix_caching": lambda kw: False}),
+    )
 
 
 # ---- CacheConfig(block_size=16) hard-coded -------------------------------------------------------

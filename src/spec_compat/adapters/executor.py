@@ -87,7 +87,7 @@ def make_executor_class(base: type) -> type:
                 kwargs["unique_reply_rank"] = None
             try:
                 result = super().collective_rpc(method, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - re-raised with the worker's details
+            except Exception as exc:
                 remote_errors.raise_decoded(exc)
                 raise
             if speculators_rpc and reply_rank is not None:
@@ -98,9 +98,7 @@ def make_executor_class(base: type) -> type:
             return result
 
         def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            self.step_log.append(
-                [(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()]
-            )
+            self.step_log.append([(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()])
             output = super().execute_model(scheduler_output, *args, **kwargs)
             if self.sample_after_execute and output is None and hasattr(self, "sample_tokens"):
                 output = self.sample_tokens(None)
@@ -162,7 +160,7 @@ def apply_all_ranks_reply(ctx: Context, patcher: Patcher) -> None:
 # kv_output_aggregator). speculators 0.3.0 indexes [0]; 0.4.x uses the value.
 
 
-def _vllm_returns_bare_value(base: type) -> bool:
+def _vllm_returns_bare_value(base: Any) -> bool:
     import inspect
 
     return "kv_output_aggregator" in inspect.signature(base.collective_rpc).parameters

@@ -25,7 +25,9 @@ from .probe import Probe
 GeneratorMethod = Callable[..., Any]
 
 
-def _wrap_method(ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]) -> None:
+def _wrap_method(
+    ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]
+) -> None:
     cls = _generator(ctx).VllmHiddenStatesGenerator
     original = getattr(cls, name)
     wrapper = functools.wraps(original)(make(original))
@@ -58,7 +60,9 @@ def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int
     elif isinstance(token_ids, (list, tuple)):
         rows = list(token_ids)
     else:
-        raise TypeError(f"token_ids must be a list of token-id sequences or a 2-D tensor, got {type(token_ids).__name__}")
+        raise TypeError(
+            f"token_ids must be a list of token-id sequences or a 2-D tensor, got {type(token_ids).__name__}"
+        )
     if not rows:
         raise ValueError("token_ids is empty: pass at least one sequence")
     batch: list[list[int]] = []
@@ -119,7 +123,9 @@ def probe_layer_ids(ctx: Context) -> Probe:
 
 def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
     def make_init(original: GeneratorMethod) -> GeneratorMethod:
-        def __init__(self: Any, model_path: str, layer_ids: Sequence[int] | None = None, *args: Any, **kwargs: Any) -> None:
+        def __init__(
+            self: Any, model_path: str, layer_ids: Sequence[int] | None = None, *args: Any, **kwargs: Any
+        ) -> None:
             if layer_ids is not None:
                 layer_ids = list(layer_ids)
                 bad = [x for x in layer_ids if isinstance(x, bool) or not isinstance(x, int)]
@@ -212,11 +218,15 @@ def apply_input_order(ctx: Context, patcher: Patcher) -> None:
 def probe_single_step(ctx: Context) -> Probe:
     generate = _generator(ctx).VllmHiddenStatesGenerator.generate
     if speculators_code.finishes_requests_inside_schedule_loop(generate):
-        return Probe(True, "generate() aborts every request after its first scheduled chunk (and slices by input offsets)")
+        return Probe(
+            True, "generate() aborts every request after its first scheduled chunk (and slices by input offsets)"
+        )
     return Probe(False, "generate() finishes requests only after the schedule loop")
 
 
-def plan_single_step_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int, max_kv_tokens: int | None, block_size: int) -> list[list[int]]:
+def plan_single_step_batches(
+    lengths: Sequence[int], max_tokens: int, max_seqs: int, max_kv_tokens: int | None, block_size: int
+) -> list[list[int]]:
     """Greedy split of input indices into runs that one scheduler step prefills whole."""
     batches: list[list[int]] = []
     current: list[int] = []

@@ -35,7 +35,11 @@ def apply_transformers_torch_annotation(ctx: Context, patcher: Patcher) -> None:
 
 
 # ---- vLLM 0.33: KV-cache planning helpers moved ------------------------------------------------
-KV_PLANNING_NAMES = ("_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs")
+KV_PLANNING_NAMES = (
+    "_get_kv_cache_groups_uniform_spec",
+    "get_kv_cache_config_from_groups",
+    "unify_hybrid_kv_cache_specs",
+)
 
 
 def probe_kv_cache_planning_aliases(ctx: Context) -> Probe:

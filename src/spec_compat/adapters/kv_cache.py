@@ -91,7 +91,9 @@ def _fill_engine_fields(kv_cache_config: Any, kwargs: dict[str, Any]) -> Any:
     if hasattr(kv_cache_config, "hash_block_size"):
         from vllm.v1.core import kv_cache_utils
 
-        scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
+            kv_cache_config, vllm_config
+        )
         kv_cache_config.hash_block_size = hash_block_size
         if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
             kv_cache_config.cache_hit_alignment_tokens = kv_cache_utils.resolve_cache_hit_alignment_tokens(
@@ -101,7 +103,7 @@ def _fill_engine_fields(kv_cache_config: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def probe_kv_config_fields(ctx: Context) -> Probe:
-    from vllm.v1.core.kv_cache_utils import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     fields = set(getattr(KVCacheConfig, "__dataclass_fields__", {}))
     engine_fields = sorted(fields & {"kv_cache_layout", "hash_block_size", "cache_hit_alignment_tokens"})
@@ -111,7 +113,14 @@ def probe_kv_config_fields(ctx: Context) -> Probe:
 
 
 def apply_kv_config_fields(ctx: Context, patcher: Patcher) -> None:
-    _install(ctx, patcher, "kv-config-engine-fields", "get_kv_cache_config_from_groups", KeywordPlan(), after=_fill_engine_fields)
+    _install(
+        ctx,
+        patcher,
+        "kv-config-engine-fields",
+        "get_kv_cache_config_from_groups",
+        KeywordPlan(),
+        after=_fill_engine_fields,
+    )
 
 
 # ---- torch.cuda.mem_get_info() on a machine without CUDA ---------------------------------------------
@@ -147,9 +156,9 @@ class _TorchProxy(types.ModuleType):
 
 
 def probe_device_memory_query(ctx: Context) -> Probe:
-    uses = speculators_code.dotted_uses(_generator(ctx).VllmHiddenStatesGenerator.__init__) | speculators_code.dotted_uses(
-        _generator(ctx).VllmHiddenStatesGenerator.generate
-    )
+    uses = speculators_code.dotted_uses(
+        _generator(ctx).VllmHiddenStatesGenerator.__init__
+    ) | speculators_code.dotted_uses(_generator(ctx).VllmHiddenStatesGenerator.generate)
     direct = sorted(u for u in uses if u.startswith("torch.cuda."))
     if not direct:
         return Probe(False, "speculators queries device memory through its own helpers")

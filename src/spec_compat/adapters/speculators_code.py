@@ -24,7 +24,8 @@ def import_worker() -> ModuleType:
 
 
 def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return inspect.unwrap(fn)
+    unwrapped: Callable[..., Any] = inspect.unwrap(fn)
+    return unwrapped
 
 
 @functools.lru_cache(maxsize=64)

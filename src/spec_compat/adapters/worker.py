@@ -67,7 +67,12 @@ def apply_loud_worker_errors(ctx: Context, patcher: Patcher) -> None:
     for name, value in list(vars(extension).items()):
         if inspect.isfunction(value) and not getattr(value, "spec_compat_loud", False):
             patcher.replace("loud-worker-errors", extension, name, _loud(name, value))
-    patcher.replace("loud-worker-errors", worker, "_patched_forward", _loud("model forward (_patched_forward)", worker._patched_forward))
+    patcher.replace(
+        "loud-worker-errors",
+        worker,
+        "_patched_forward",
+        _loud("model forward (_patched_forward)", worker._patched_forward),
+    )
 
 
 # ---- supports_eagle3 refusal (speculators 0.3.0) ---------------------------------------------------------
@@ -127,9 +132,7 @@ def _setup_checks(extension: Any, base: Any) -> None:
             "speculators' capture forward does not, so its hidden states would be wrong"
         )
     sharded = [
-        name
-        for name, module in base.named_modules()
-        if getattr(module, "use_sequence_parallel_moe", False) is True
+        name for name, module in base.named_modules() if getattr(module, "use_sequence_parallel_moe", False) is True
     ]
     if sharded:
         raise NotImplementedError(
@@ -178,10 +181,16 @@ def probe_layer_kwargs(ctx: Context) -> Probe:
 def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
     worker = _worker(ctx)
     original = worker._patched_forward
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(original).parameters.values())
 
     @functools.wraps(original)
-    def _patched_forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None, inputs_embeds: Any = None, **kwargs: Any) -> Any:
+    def _patched_forward(
+        self: Any,
+        input_ids: Any,
+        positions: Any,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         extra = {k: v for k, v in kwargs.items() if v is not None}
         if not extra:
             return original(self, input_ids, positions, intermediate_tensors, inputs_embeds)
@@ -189,12 +198,12 @@ def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
         accepted = {k: v for k, v in extra.items() if all(_layer_accepts(layer, k) for layer in layers)}
         ignored = sorted(set(extra) - set(accepted))
         if ignored:
-            warnings.warn(f"spec_compat: keywords {ignored} are not decoder-layer keywords; not passed to layers", stacklevel=2)
+            warnings.warn(
+                f"spec_compat: keywords {ignored} are not decoder-layer keywords; not passed to layers", stacklevel=2
+            )
         for layer in layers:
             layer.forward = functools.partial(type(layer).forward, layer, **accepted)
         try:
-            if takes_kwargs:
-                return original(self, input_ids, positions, intermediate_tensors, inputs_embeds)
             return original(self, input_ids, positions, intermediate_tensors, inputs_embeds)
         finally:
             for layer in layers:
@@ -204,13 +213,14 @@ def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _class_accepts(layer_type: type, name: str) -> bool:
+def _class_accepts(layer_type: Any, name: str) -> bool:
     params = inspect.signature(layer_type.forward).parameters
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _layer_accepts(layer: Any, name: str) -> bool:
-    return _class_accepts(type(layer), name)
+    layer_type: Any = type(layer)
+    return _class_accepts(layer_type, name)
 
 
 # ---- batch order log (speculators 0.3.0 slices by input offsets) ----------------------------------------
