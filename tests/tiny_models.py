@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,7 +264,7 @@ def hf_layer_outputs(model_dir: Path, token_ids: list[list[int]], layer_ids: lis
     layers = model.model.layers
     captured: dict[int, torch.Tensor] = {}
 
-    def make_hook(layer_id: int) -> Any:
+    def make_hook(layer_id: int) -> Callable[[torch.nn.Module, Any, Any], None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
             captured[layer_id] = hidden.detach()[0].clone()
