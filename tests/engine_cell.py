@@ -64,6 +64,7 @@ def main() -> None:
         if spec.get("chunk_budget"):
             # A small per-step token budget forces chunked prefill (what max_num_batched_tokens sets).
             generator.scheduler.max_num_scheduled_tokens = spec["chunk_budget"]
+            record["chunked_prefill"] = bool(generator.scheduler.scheduler_config.enable_chunked_prefill)
             for name in ("chunk_prompts", "chunk_prompts_long"):
                 if name in spec:
                     try:

@@ -88,6 +88,24 @@ def _max_prompt_len(generator: Any) -> int:
     return int(generator.vllm_config.model_config.max_model_len) - 1  # max_tokens=1 must still fit
 
 
+def _refuse_unschedulable(generator: Any, lengths: list[int]) -> None:
+    """Without chunked prefill a prompt longer than one step's token budget is never scheduled:
+    the generator would stop with its states missing. vLLM turns chunked prefill off by itself
+    for some models (MLA on CPU), so this is checked per call."""
+    scheduler = getattr(generator, "scheduler", None)
+    config = getattr(scheduler, "scheduler_config", None)
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    if config is None or budget is None or getattr(config, "enable_chunked_prefill", True):
+        return
+    too_long = [i for i, n in enumerate(lengths) if n > budget]
+    if too_long:
+        raise ValueError(
+            f"sequences {too_long[:10]} are longer than one scheduler step ({budget} tokens) and vLLM "
+            "has chunked prefill off for this model: they would never be scheduled. Raise "
+            "max_num_batched_tokens to at least the longest prompt"
+        )
+
+
 def probe_input_validation(ctx: Context) -> Probe:
     return Probe(True, "generate() would send malformed or out-of-vocabulary ids into the engine")
 
@@ -97,6 +115,7 @@ def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
         def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
             batch = normalise_token_ids(token_ids, _vocab_size(self))
             limit = _max_prompt_len(self)
+            _refuse_unschedulable(self, [min(len(ids), limit) for ids in batch])
             too_long = [i for i, ids in enumerate(batch) if len(ids) > limit]
             if too_long:
                 warnings.warn(
