@@ -1,0 +1,57 @@
+"""A fake generator module whose VllmHiddenStatesGenerator mimics speculators 0.4.x's result
+ordering (string-sorted request ids, layers ascending), with no engine behind it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = """
+import torch
+from types import SimpleNamespace
+
+HIDDEN = 4
+
+
+class VllmHiddenStatesGenerator:
+    def __init__(self, model_path, layer_ids=None, max_model_len=32, tensor_parallel_size=1):
+        self.layer_ids = layer_ids
+        self._request_counter = 0
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(
+                max_model_len=max_model_len, get_vocab_size=lambda: 100, get_hidden_size=lambda: HIDDEN
+            )
+        )
+        self.scheduler = SimpleNamespace(
+            max_num_scheduled_tokens=64, scheduler_config=SimpleNamespace(enable_chunked_prefill=True)
+        )
+        self.calls = []
+
+    def generate(self, token_ids):
+        self.calls.append(token_ids)
+        max_len = self.vllm_config.model_config.max_model_len - 1
+        token_ids = [ids[:max_len] for ids in token_ids]
+        ids = {f"req_{self._request_counter}_{i}": i for i in range(len(token_ids))}
+        self._request_counter += 1
+        results = []
+        for req_id in sorted(ids):
+            i = ids[req_id]
+            n = len(token_ids[i])
+            states = [torch.full((n, HIDDEN), float(1000 * layer + i)) for layer in sorted(set(self.layer_ids))]
+            results.append({"input_ids": torch.tensor(token_ids[i]), "hidden_states": states, "loss_mask": None})
+        return results
+"""
+
+
+def fake_generator_module(tmp: Path) -> ModuleType:
+    name = f"fake_generator_class_{len(list(tmp.iterdir()))}"
+    path = tmp / f"{name}.py"
+    path.write_text(SOURCE)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,147 @@
+"""The generate()/__init__ wrappers on a fake generator that orders results like speculators 0.4."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spec_compat.adapters.generate import normalise_token_ids, plan_single_step_batches, reorder_to_inputs
+from spec_compat.detect import detect
+from spec_compat.errors import ResultContractError
+from spec_compat.options import Context, Options
+from spec_compat.patching import Patcher
+from spec_compat.registry import BY_ID
+from tests.unit.fake_generator_class import fake_generator_module
+
+GENERATE_ADAPTERS = ["single-step-batches", "input-order", "layer-ids", "results-contract", "input-validation"]
+
+
+def _patched(tmp_path: Path) -> tuple[Any, Patcher, list[str]]:
+    module = fake_generator_module(tmp_path)
+    ctx = Context(env=detect(), options=Options(), generator=module)
+    patcher = Patcher()
+    applied = []
+    for adapter_id in GENERATE_ADAPTERS:
+        if BY_ID[adapter_id].probe(ctx).applies:
+            BY_ID[adapter_id].apply(ctx, patcher)
+            applied.append(adapter_id)
+    return module, patcher, applied
+
+
+def _batch(n: int) -> list[list[int]]:
+    return [[(i * 3 + j) % 90 + 1 for j in range(1 + i % 5)] for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 10, 11, 13, 25])
+def test_results_come_back_in_input_and_layer_order(tmp_path: Path, n: int) -> None:
+    module, patcher, applied = _patched(tmp_path)
+    try:
+        assert applied == ["input-order", "layer-ids", "results-contract", "input-validation"]
+        generator = module.VllmHiddenStatesGenerator("m", layer_ids=[3, 0, 2])
+        results = generator.generate(_batch(n))
+        for i, result in enumerate(results):
+            assert result["input_ids"].tolist() == _batch(n)[i]
+            assert [float(h[0, 0]) for h in result["hidden_states"]] == [3000 + i, 0 + i, 2000 + i]
+    finally:
+        patcher.revert()
+
+
+def test_without_adapters_11_inputs_come_back_permuted(tmp_path: Path) -> None:
+    module = fake_generator_module(tmp_path)
+    results = module.VllmHiddenStatesGenerator("m", layer_ids=[0]).generate(_batch(11))
+    assert [r["input_ids"].tolist() for r in results] != _batch(11)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ([], ValueError, "empty"),
+        ([[1, 2], []], ValueError, r"token_ids\[1\] is empty"),
+        ([[1, -1]], ValueError, "outside the vocabulary"),
+        ([[1, 100]], ValueError, "outside the vocabulary"),
+        ([[1, 2.0]], TypeError, "is not an int"),
+        ([[1, True]], TypeError, "is not an int"),
+        (torch.zeros(2, 3), TypeError, "integer dtype"),
+        (torch.zeros(3, dtype=torch.long), ValueError, "2-D"),
+        ("abc", TypeError, "list of token-id sequences"),
+    ],
+)
+def test_bad_input_is_refused_before_the_engine(tmp_path: Path, bad: Any, error: type, match: str) -> None:
+    module, patcher, _ = _patched(tmp_path)
+    try:
+        generator = module.VllmHiddenStatesGenerator("m", layer_ids=[0])
+        with pytest.raises(error, match=match):
+            generator.generate(bad)
+        assert generator.calls == []  # nothing reached the generator's own code
+    finally:
+        patcher.revert()
+
+
+def test_layer_ids_duplicates_refused_and_long_prompts_warned(tmp_path: Path) -> None:
+    module, patcher, _ = _patched(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="repeat"):
+            module.VllmHiddenStatesGenerator("m", layer_ids=[1, 1])
+        generator = module.VllmHiddenStatesGenerator("m", layer_ids=[0], max_model_len=8)
+        with pytest.warns(UserWarning, match="truncated"):
+            results = generator.generate([[1] * 20, [2] * 3])
+        assert [len(r["input_ids"]) for r in results] == [7, 3]
+    finally:
+        patcher.revert()
+
+
+def test_unschedulable_prompts_are_refused_when_chunked_prefill_is_off(tmp_path: Path) -> None:
+    module, patcher, _ = _patched(tmp_path)
+    try:
+        generator = module.VllmHiddenStatesGenerator("m", layer_ids=[0], max_model_len=200)
+        generator.scheduler.scheduler_config.enable_chunked_prefill = False
+        with pytest.raises(ValueError, match="chunked prefill off"):
+            generator.generate([[1] * 65])
+        generator.generate([[1] * 64])
+    finally:
+        patcher.revert()
+
+
+def test_contract_violation_is_loud(tmp_path: Path) -> None:
+    module = fake_generator_module(tmp_path)
+    honest = module.VllmHiddenStatesGenerator.generate
+
+    def flattened(self: Any, token_ids: Any) -> Any:  # per-token vectors instead of per-layer tensors
+        results = honest(self, token_ids)
+        results[0]["hidden_states"] = list(results[0]["hidden_states"][0].unbind(0))
+        return results
+
+    module.VllmHiddenStatesGenerator.generate = flattened
+    patcher = Patcher()
+    BY_ID["results-contract"].apply(Context(env=detect(), options=Options(), generator=module), patcher)
+    try:
+        with pytest.raises(ResultContractError, match=r"expected 2 hidden-state tensors .* got list of 3"):
+            module.VllmHiddenStatesGenerator("m", layer_ids=[0, 1]).generate([[1, 2, 3]])
+    finally:
+        patcher.revert()
+    assert module.VllmHiddenStatesGenerator.generate is flattened
+
+
+def test_reorder_matches_by_content_with_duplicates() -> None:
+    inputs = [[1, 2], [3], [1, 2]]
+    results = [{"input_ids": torch.tensor(ids), "tag": k} for k, ids in enumerate([[3], [1, 2], [1, 2]])]
+    ordered = reorder_to_inputs(results, inputs)
+    assert [r["input_ids"].tolist() for r in ordered] == inputs
+
+
+def test_single_step_planner() -> None:
+    plan = plan_single_step_batches([10, 20, 40, 5, 64], max_tokens=64, max_seqs=3, max_kv_tokens=None, block_size=16)
+    assert plan == [[0, 1], [2, 3], [4]]
+    assert [i for batch in plan for i in batch] == list(range(5))
+    with pytest.raises(ValueError, match=r"speculators 0\.3\.0"):
+        plan_single_step_batches([65], max_tokens=64, max_seqs=3, max_kv_tokens=None, block_size=16)
+    tight = plan_single_step_batches([15, 15, 15], max_tokens=64, max_seqs=8, max_kv_tokens=32, block_size=16)
+    assert tight == [[0, 1], [2]]
+
+
+def test_normalise_accepts_tensors_and_tuples() -> None:
+    assert normalise_token_ids(torch.tensor([[1, 2], [3, 4]]), 10) == [[1, 2], [3, 4]]
+    assert normalise_token_ids(([1], (2, 3), torch.tensor([4])), None) == [[1], [2, 3], [4]]
