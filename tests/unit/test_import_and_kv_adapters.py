@@ -1,0 +1,176 @@
+"""Import-time and KV-cache adapters against old/new module layouts (fakes stand in for vLLM)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from spec_compat.adapters import imports, kv_cache
+from spec_compat.adapters.executor import _EXECUTORS
+from spec_compat.calls import CallAdapter, KeywordPlan
+from spec_compat.detect import detect
+from spec_compat.options import Context, Options
+from spec_compat.patching import Patcher
+from spec_compat.registry import BY_ID
+
+
+def _ctx(**kwargs: Any) -> Context:
+    return Context(env=detect(), options=Options(**kwargs))
+
+
+def test_kv_cache_planning_aliases_for_the_033_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    helpers = {name: (lambda *a, name=name: name) for name in imports.KV_PLANNING_NAMES}
+    utils = types.ModuleType("vllm.v1.core.kv_cache_utils")  # 0.33: helpers gone from here
+    planning = types.ModuleType("vllm.v1.core.kv_cache_planning")
+    for name, fn in helpers.items():
+        setattr(planning, name, fn)
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", utils)
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_planning", planning)
+    probe = imports.probe_kv_cache_planning_aliases(_ctx())
+    assert probe.applies
+    patcher = Patcher()
+    imports.apply_kv_cache_planning_aliases(_ctx(), patcher)
+    assert all(getattr(utils, name) is helpers[name] for name in helpers)
+    patcher.revert()
+    assert not any(hasattr(utils, name) for name in helpers)
+
+
+def test_kv_cache_planning_aliases_not_needed_for_the_old_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    utils = types.ModuleType("vllm.v1.core.kv_cache_utils")
+    for name in imports.KV_PLANNING_NAMES:
+        setattr(utils, name, object())
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", utils)
+    assert not imports.probe_kv_cache_planning_aliases(_ctx()).applies
+
+
+def test_missing_helpers_everywhere_is_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", types.ModuleType("vllm.v1.core.kv_cache_utils"))
+    monkeypatch.setitem(
+        sys.modules, "vllm.v1.core.kv_cache_planning", types.ModuleType("vllm.v1.core.kv_cache_planning")
+    )
+    probe = imports.probe_kv_cache_planning_aliases(_ctx())
+    assert not probe.applies and probe.blocking
+
+
+def test_transformers_annotation_alias(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("transformers.configuration_utils")
+
+    class PretrainedConfig:
+        __annotations__ = {"dtype": "str | torch.dtype | None"}
+
+    fake.PretrainedConfig = PretrainedConfig  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.configuration_utils", fake)
+    assert imports.probe_transformers_torch_annotation(_ctx()).applies  # transformers 5 shape
+    patcher = Patcher()
+    imports.apply_transformers_torch_annotation(_ctx(), patcher)
+    import torch
+
+    assert fake.torch is torch  # type: ignore[attr-defined]
+    assert not imports.probe_transformers_torch_annotation(_ctx()).applies
+    patcher.revert()
+    assert not hasattr(fake, "torch")
+    PretrainedConfig.__annotations__ = {"dtype": "str | None"}  # transformers 4 shape
+    assert not imports.probe_transformers_torch_annotation(_ctx()).applies
+
+
+def _kv_module(fn: Any) -> types.ModuleType:
+    module = types.ModuleType("fake_kv_generator")
+    module.get_kv_cache_config_from_groups = fn  # type: ignore[attr-defined]
+    return module
+
+
+def test_kv_memory_asks_the_workers_when_the_device_reports_none() -> None:
+    seen: dict[str, Any] = {}
+
+    def get_kv_cache_config_from_groups(vllm_config: Any, kv_cache_groups: Any, available_memory: int) -> str:
+        seen["available_memory"] = available_memory
+        return "config"
+
+    module = _kv_module(get_kv_cache_config_from_groups)
+    ctx = Context(env=detect(), options=Options(), generator=module)
+    patcher = Patcher()
+    kv_cache.apply_kv_memory(ctx, patcher)
+    vllm_config = SimpleNamespace()
+
+    class Executor:
+        def determine_available_memory(self) -> list[int]:
+            return [3 << 30, 2 << 30]
+
+    executor = Executor()
+    _EXECUTORS[id(vllm_config)] = executor
+    try:
+        module.get_kv_cache_config_from_groups(vllm_config=vllm_config, kv_cache_groups=[], available_memory=0)
+        assert seen["available_memory"] == 2 << 30  # the smallest rank's
+        module.get_kv_cache_config_from_groups(vllm_config=vllm_config, kv_cache_groups=[], available_memory=123)
+        assert seen["available_memory"] == 123  # a real figure is kept
+    finally:
+        _EXECUTORS.pop(id(vllm_config), None)
+        patcher.revert()
+
+
+def test_device_memory_proxy_without_cuda() -> None:
+    import torch
+
+    proxy = kv_cache._TorchProxy(torch)
+    if torch.cuda.is_available():
+        pytest.skip("this check is about machines without CUDA")
+    assert proxy.cuda.mem_get_info() == (0, 0)
+    proxy.cuda.empty_cache()
+    assert proxy.tensor is torch.tensor
+    with pytest.raises(AssertionError):
+        torch.cuda.mem_get_info()  # torch itself is untouched
+
+
+def test_kv_engine_fields_filled_and_block_size_synced() -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    fields = set(KVCacheConfig.__dataclass_fields__)
+    spec = SimpleNamespace(block_size=128, dcp_sharded=False, prefix_cacheable=True)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])
+    result = SimpleNamespace(
+        kv_cache_groups=[group],
+        **{f: None for f in fields & {"kv_cache_layout", "hash_block_size", "cache_hit_alignment_tokens"}},
+    )
+    cache_config = SimpleNamespace(
+        block_size=16, kv_cache_layout="LBNHC", enable_prefix_caching=False, prefix_match_unit=None
+    )
+    vllm_config = SimpleNamespace(
+        cache_config=cache_config,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        kv_transfer_config=None,
+    )
+    kv_cache._fill_engine_fields(result, {"vllm_config": vllm_config})
+    assert cache_config.block_size == 128
+    if "kv_cache_layout" in fields:
+        assert result.kv_cache_layout == "LBNHC"
+    if "hash_block_size" in fields:
+        assert result.hash_block_size == 128
+    if "cache_hit_alignment_tokens" in fields:
+        assert result.cache_hit_alignment_tokens == 128
+
+
+def test_model_dtype_override() -> None:
+    calls: list[dict[str, Any]] = []
+    module = types.ModuleType("fake_dtype_generator")
+    module.ModelConfig = lambda **kw: calls.append(kw)  # type: ignore[attr-defined]
+    ctx = Context(env=detect(), options=Options(dtype="float32"), generator=module)
+    assert BY_ID["model-dtype"].probe(ctx).applies
+    assert not BY_ID["model-dtype"].probe(Context(env=detect(), options=Options(), generator=module)).applies
+    patcher = Patcher()
+    BY_ID["model-dtype"].apply(ctx, patcher)
+    module.ModelConfig(model="m", dtype="auto")
+    assert calls[-1]["dtype"] == "float32"
+    patcher.revert()
+    module.ModelConfig(model="m", dtype="auto")
+    assert calls[-1]["dtype"] == "auto"
+
+
+def test_options_validate_dtype() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        Options(dtype="fp8")
+    assert CallAdapter("x", dict, KeywordPlan(drop=frozenset({"a"})))(a=1, b=2) == {"b": 2}
