@@ -247,13 +247,13 @@ ADAPTERS: tuple[Adapter, ...] = (
         id="executor-model-runner-v1",
         side="driver",
         patches="VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)",
-        why="speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks",
+        why="speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices "
+        "captures in V1 batch order, V2 sorts the batch by token count (silently wrong)",
         vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
         detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
         delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
         probe=executor.probe_v1_model_runner,
         apply=executor.apply_v1_model_runner,
-        speculators=">=0.4,<0.5",
     ),
     Adapter(
         id="kv-config-signature",

@@ -173,3 +173,13 @@ def test_batch_order_log_records_runner_order(tmp_path: Path) -> None:
     finally:
         patcher.revert()
     assert not hasattr(module.HiddenStatesWorkerExtension, "_spec_compat_take_batch_log")
+
+
+def test_batch_order_unverifiable_without_input_batch(tmp_path: Path) -> None:
+    module, patcher, _ = _worker_with_adapters(tmp_path, "0.3")
+    try:
+        extension = _extension(module, NewBase(), with_input_batch=False)
+        with pytest.raises(EncodedWorkerException, match="cannot be verified"):
+            extension._store_captured_states(["h"])
+    finally:
+        patcher.revert()

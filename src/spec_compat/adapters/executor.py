@@ -224,17 +224,19 @@ def apply_kv_layout(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_v1_model_runner(ctx: Context) -> Probe:
-    worker = ctx.worker
-    if worker is None:
-        return Probe(False, "speculators worker module not loaded")
-    store = worker.HiddenStatesWorkerExtension._store_captured_states
-    if "input_batch" not in speculators_code.attribute_names_used(store):
-        return Probe(False, "speculators' worker does not read model_runner.input_batch")
     import vllm.envs as vllm_envs
 
     if "VLLM_USE_V2_MODEL_RUNNER" not in dir(vllm_envs):
         return Probe(False, "this vLLM has no Model Runner V2 switch")
-    return Probe(True, "speculators reads model_runner.input_batch, which Model Runner V2 does not have")
+    worker = ctx.worker
+    if worker is not None:
+        store = worker.HiddenStatesWorkerExtension._store_captured_states
+        if "input_batch" in speculators_code.attribute_names_used(store):
+            return Probe(True, "speculators reads model_runner.input_batch, which Model Runner V2 does not have")
+    return Probe(
+        True,
+        "speculators slices captures in the V1 runner's batch order; V2 sorts the batch by token count",
+    )
 
 
 def apply_v1_model_runner(ctx: Context, patcher: Patcher) -> None:

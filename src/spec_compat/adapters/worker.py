@@ -240,9 +240,13 @@ def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
     @functools.wraps(original)
     def _store_captured_states(self: Any, aux_hidden_states: Any) -> Any:
         batch = getattr(self.model_runner, "input_batch", None)
-        if batch is not None:
-            log = self.__dict__.setdefault("_spec_compat_batch_log", [])
-            log.append([r for r in list(batch.req_ids)[: batch.num_reqs] if r is not None])
+        if batch is None:
+            raise NotImplementedError(
+                f"{type(self.model_runner).__name__} has no input_batch (Model Runner V2?): the batch "
+                "order speculators 0.3.0 slices by cannot be verified; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        log = self.__dict__.setdefault("_spec_compat_batch_log", [])
+        log.append([r for r in list(batch.req_ids)[: batch.num_reqs] if r is not None])
         return original(self, aux_hidden_states)
 
     def _spec_compat_take_batch_log(self: Any) -> list[list[str]]:
