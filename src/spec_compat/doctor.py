@@ -1,0 +1,91 @@
+"""``spec-compat doctor``: is this environment compatible? Loads no model.
+
+Gives the same answer as ``apply(strict=True)``: it runs apply() (probes, adapters, preflight)
+in this short-lived process and reverts it before returning.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from dataclasses import asdict
+from typing import Any
+
+EXIT_COMPATIBLE = 0
+EXIT_INCOMPATIBLE = 1
+EXIT_UNKNOWN = 2
+
+
+def model_runner(decisions: dict[str, Any], platform: str) -> str:
+    v1 = decisions.get("executor-model-runner-v1")
+    if platform == "cpu":
+        return "CPUModelRunner (vLLM's V1 runner for CPU)"
+    if v1 is not None and v1.applies:
+        return "V1 GPUModelRunner (spec_compat sets VLLM_USE_V2_MODEL_RUNNER=0 while the workers start, if unset)"
+    return "vLLM's default (this vLLM has no Model Runner V2 switch)"
+
+
+def diagnose() -> tuple[int, dict[str, Any]]:
+    import spec_compat
+
+    try:
+        report = spec_compat.apply()
+    except Exception as exc:  # noqa: BLE001 - "could not tell" is an answer too
+        return EXIT_UNKNOWN, {
+            "verdict": "could not tell",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+    try:
+        decisions = {d.id: d for d in report.decisions}
+        failed_probes = [d.id for d in report.decisions if d.reason.startswith("probe failed")]
+        if failed_probes:
+            code, verdict = EXIT_UNKNOWN, f"could not tell: probes failed for {failed_probes}"
+        elif report.ok:
+            code, verdict = EXIT_COMPATIBLE, "compatible"
+        else:
+            code, verdict = EXIT_INCOMPATIBLE, "incompatible"
+        result = {
+            "verdict": verdict,
+            "environment": report.env.as_dict(),
+            "adapters": [asdict(d) for d in report.decisions],
+            "preflight": [asdict(f) for f in report.preflight],
+            "problems": report.problems,
+            "model_runner": model_runner(decisions, report.env.platform),
+        }
+    finally:
+        spec_compat.revert()
+    return code, result
+
+
+def render(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    env = result.get("environment")
+    if env:
+        lines.append("environment")
+        lines.extend(f"  {key:24s} {value}" for key, value in env.items() if key != "notes")
+        lines.extend(f"  note: {note}" for note in env.get("notes", []))
+    if result.get("adapters"):
+        lines.append("adapters")
+        for adapter in result["adapters"]:
+            mark = "applies" if adapter["applies"] else ("BLOCKS" if adapter["blocking"] else "-")
+            lines.append(f"  {adapter['id']:34s} {mark:8s} {adapter['reason']}")
+    if result.get("preflight"):
+        bad = [f for f in result["preflight"] if not f["ok"]]
+        lines.append(f"preflight: {len(result['preflight']) - len(bad)}/{len(result['preflight'])} calls bind")
+        lines.extend(f"  FAIL {f['what']}: {f['detail']}" for f in bad)
+    if result.get("model_runner"):
+        lines.append(f"model runner: {result['model_runner']}")
+    for problem in result.get("problems", []):
+        lines.append(f"problem: {problem}")
+    if result.get("error"):
+        lines.append(f"error: {result['error']}")
+    lines.append(f"verdict: {result['verdict']}")
+    return "\n".join(lines)
+
+
+def run(as_json: bool) -> int:
+    code, result = diagnose()
+    result["exit_code"] = code
+    print(json.dumps(result, indent=2, default=str) if as_json else render(result))
+    return code

@@ -1,0 +1,45 @@
+"""``spec-compat doctor`` on the real vLLM: a compatible and an incompatible environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import require_speculators  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(args: list[str], speculators: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("speculators", ["0.4.0.1", "0.3.0"])
+def test_doctor_compatible(speculators: str) -> None:
+    proc = _run(["-m", "spec_compat", "doctor", "--json"], speculators)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["verdict"] == "compatible" and result["exit_code"] == 0
+    assert result["environment"]["speculators"].startswith(speculators)
+    assert any(a["id"] == "request-kwargs" and a["applies"] for a in result["adapters"])
+    assert result["preflight"] and all(f["ok"] for f in result["preflight"])
+    table = _run(["-m", "spec_compat", "doctor"], speculators)
+    assert table.returncode == 0 and "verdict: compatible" in table.stdout
+
+
+def test_doctor_incompatible_matches_strict_apply() -> None:
+    proc = _run([str(HERE / "doctor_fixture.py"), "doctor", "--json"], "0.4.0.1")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["verdict"] == "incompatible"
+    failed = [f for f in result["preflight"] if not f["ok"]]
+    assert any("sample_tokens" in f["what"] for f in failed), failed
+    strict = _run([str(HERE / "doctor_fixture.py"), "strict"], "0.4.0.1")
+    assert strict.returncode == 1 and "IncompatibleError" in strict.stdout and "sample_tokens" in strict.stdout
