@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_harness import require_speculators  # noqa: E402
+from engine_harness import require_speculators
 
 HERE = Path(__file__).resolve().parent
 
