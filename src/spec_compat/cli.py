@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -11,11 +12,55 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="check this environment without loading a model")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    extract = commands.add_parser("extract", help="dataset -> hidden-state training files (resumable, shardable)")
+    extract.add_argument("--model", required=True, help="model directory (or hub id, where reachable)")
+    extract.add_argument("--input", required=True, type=Path, help="JSONL: one sample per line")
+    extract.add_argument("--output", required=True, type=Path, help="output directory")
+    extract.add_argument("--layer-ids", required=True, help="comma-separated decoder layer ids, e.g. 2,15,28")
+    extract.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    extract.add_argument("--max-model-len", type=int, default=2048)
+    extract.add_argument("--batch-size", type=int, default=16)
+    extract.add_argument("--ids-field", default="input_ids", help="JSONL field holding token ids")
+    extract.add_argument(
+        "--text-field", default=None, help="JSONL field with text, tokenized with the model's tokenizer"
+    )
+    extract.add_argument("--shard", default="0/1", help="i/N: take lines whose index %% N == i")
+    extract.add_argument("--on-error", choices=["stop", "skip"], default="stop")
+    extract.add_argument("--dtype", default=None, help="model dtype (default: speculators' 'auto')")
+    extract.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved hidden states")
+    extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from .doctor import run
 
         return run(as_json=args.json)
+    if args.command == "extract":
+        from .extract import ExtractConfig, parse_shard
+        from .extract import run as run_extract
+
+        try:
+            layer_ids = [int(x) for x in args.layer_ids.split(",") if x.strip()]
+            shard = parse_shard(args.shard)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return run_extract(
+            ExtractConfig(
+                model=args.model,
+                input=args.input,
+                output=args.output,
+                layer_ids=layer_ids,
+                tensor_parallel_size=args.tp,
+                max_model_len=args.max_model_len,
+                batch_size=args.batch_size,
+                text_field=args.text_field,
+                ids_field=args.ids_field,
+                shard=shard,
+                on_error=args.on_error,
+                dtype=args.dtype,
+                save_dtype=args.save_dtype,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+            )
+        )
     parser.error(f"unknown command {args.command}")
     return 2
 

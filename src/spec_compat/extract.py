@@ -1,0 +1,262 @@
+"""``spec-compat extract``: a dataset -> hidden-state training files, with the untouched generator.
+
+Output layout (what speculators' training reads, ``Eagle3SampleFileDataset``): one
+``data_{idx}.pt`` per sample holding ``input_ids`` [seq_len] long, ``hidden_states`` (a list of
+[seq_len, hidden] tensors, one per layer id) and ``loss_mask`` [seq_len] long, plus
+``sample_lengths.json``. ``manifest.json`` records provenance and a sha256 per file; a rerun
+skips finished samples after verifying them, and re-extracts any whose file is missing or
+corrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+LENGTHS = "sample_lengths.json"
+FORMAT = "speculators-eagle3-v1"
+
+
+@dataclass
+class Sample:
+    idx: int
+    input_ids: list[int]
+    loss_mask: list[int] | None = None
+
+
+@dataclass
+class ExtractConfig:
+    model: str
+    input: Path
+    output: Path
+    layer_ids: list[int]
+    tensor_parallel_size: int = 1
+    max_model_len: int = 2048
+    batch_size: int = 16
+    text_field: str | None = None
+    ids_field: str = "input_ids"
+    shard: tuple[int, int] = (0, 1)
+    on_error: str = "stop"
+    dtype: str | None = None
+    save_dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.8
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError as exc:
+        raise ValueError(f"--shard must look like i/N (e.g. 0/4), got {text!r}") from exc
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard {text}: need 0 <= i < N")
+    return i, n
+
+
+def read_samples(config: ExtractConfig, tokenizer: Any | None) -> Iterator[Sample]:
+    """The samples of this shard; idx is the 0-based line number in the JSONL file."""
+    shard_index, shard_count = config.shard
+    with config.input.open() as handle:
+        for idx, line in enumerate(handle):
+            if idx % shard_count != shard_index or not line.strip():
+                continue
+            record = json.loads(line)
+            if config.ids_field in record:
+                ids = record[config.ids_field]
+            elif config.text_field and config.text_field in record:
+                if tokenizer is None:
+                    raise ValueError("a text field needs the model's tokenizer")
+                ids = tokenizer(record[config.text_field], add_special_tokens=True)["input_ids"]
+            else:
+                raise ValueError(f"line {idx + 1}: no {config.ids_field!r} (or text field {config.text_field!r})")
+            yield Sample(idx, [int(t) for t in ids], record.get("loss_mask"))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class Manifest:
+    def __init__(self, output: Path, provenance: dict[str, Any]) -> None:
+        self.path = output / MANIFEST
+        self.output = output
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text())
+            previous = {k: self.data["provenance"].get(k) for k in ("model", "layer_ids", "format")}
+            current = {k: provenance.get(k) for k in ("model", "layer_ids", "format")}
+            if previous != current:
+                raise ValueError(f"{self.path} was written for {previous}, this run is {current}: use another --output")
+        else:
+            self.data = {"provenance": provenance, "samples": {}, "failed": {}}
+        self.data.setdefault("runs", []).append({"started": time.time(), **provenance["run"]})
+
+    def verified_done(self) -> tuple[set[int], list[str]]:
+        """Indices whose file exists with the recorded checksum; and what was wrong with the rest."""
+        done: set[int] = set()
+        problems: list[str] = []
+        for key, entry in list(self.data["samples"].items()):
+            path = self.output / entry["file"]
+            if not path.exists():
+                problems.append(f"sample {key}: {entry['file']} is missing; extracting it again")
+            elif sha256_of(path) != entry["sha256"]:
+                problems.append(
+                    f"sample {key}: {entry['file']} does not match its sha256 (corrupted); extracting it again"
+                )
+            else:
+                done.add(int(key))
+                continue
+            del self.data["samples"][key]
+        return done, problems
+
+    def record(self, idx: int, file: str, num_tokens: int, sha256: str) -> None:
+        self.data["samples"][str(idx)] = {"file": file, "num_tokens": num_tokens, "sha256": sha256}
+        self.data["failed"].pop(str(idx), None)
+
+    def fail(self, indices: list[int], error: str) -> None:
+        for idx in indices:
+            self.data["failed"][str(idx)] = error
+
+    def save(self) -> None:
+        _write_json_atomic(self.path, self.data)
+        lengths = {key: entry["num_tokens"] for key, entry in self.data["samples"].items()}
+        _write_json_atomic(self.output / LENGTHS, lengths)
+
+
+class Progress:
+    def __init__(self, total_samples: int, total_tokens: int) -> None:
+        self.total_samples, self.total_tokens = total_samples, total_tokens
+        self.samples = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        rate = self.tokens / elapsed
+        eta = (self.total_tokens - self.tokens) / rate if rate > 0 else float("inf")
+        width = 30
+        filled = int(width * self.samples / max(self.total_samples, 1))
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.samples}/{self.total_samples} samples "
+            f"{rate:,.0f} tok/s ETA {eta:,.0f}s   "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _provenance(config: ExtractConfig, report: Any) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "model": str(config.model),
+        "layer_ids": list(config.layer_ids),
+        "save_dtype": config.save_dtype,
+        "environment": report.env.as_dict(),
+        "adapters_applied": report.applied,
+        "run": {
+            "shard": f"{config.shard[0]}/{config.shard[1]}",
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "max_model_len": config.max_model_len,
+            "batch_size": config.batch_size,
+            "dtype": config.dtype,
+        },
+    }
+
+
+def run(config: ExtractConfig) -> int:
+    import spec_compat
+
+    report = spec_compat.apply(strict=True, dtype=config.dtype)
+
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    config.output.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(config.output, _provenance(config, report))
+    done, problems = manifest.verified_done()
+    for problem in problems:
+        print(f"spec-compat extract: {problem}", file=sys.stderr)
+
+    tokenizer = None
+    if config.text_field:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+    todo = [s for s in read_samples(config, tokenizer) if s.idx not in done]
+    limit = config.max_model_len - 1
+    print(
+        f"spec-compat extract: shard {config.shard[0]}/{config.shard[1]}: {len(done)} done, {len(todo)} to do",
+        file=sys.stderr,
+    )
+    manifest.save()
+    if not todo:
+        return 0
+
+    generator = VllmHiddenStatesGenerator(
+        config.model,
+        layer_ids=config.layer_ids,
+        max_model_len=config.max_model_len,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    save_dtype = getattr(torch, config.save_dtype)
+    progress = Progress(len(todo), sum(min(len(s.input_ids), limit) for s in todo))
+    failures = 0
+    try:
+        for start in range(0, len(todo), config.batch_size):
+            batch = todo[start : start + config.batch_size]
+            try:
+                results = generator.generate([s.input_ids for s in batch])
+            except Exception as exc:  # noqa: BLE001 - reported with the samples; the user picks stop or skip
+                failures += len(batch)
+                detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                manifest.fail([s.idx for s in batch], detail)
+                manifest.save()
+                print(
+                    f"\nspec-compat extract: batch of samples {[s.idx for s in batch]} failed:\n{detail}",
+                    file=sys.stderr,
+                )
+                if config.on_error == "stop":
+                    return 1
+                continue
+            for sample, result in zip(batch, results, strict=True):
+                ids = result["input_ids"].to(torch.long)
+                mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
+                payload = {
+                    "input_ids": ids,
+                    "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
+                    "loss_mask": torch.as_tensor(mask, dtype=torch.long),
+                }
+                name = f"data_{sample.idx}.pt"
+                tmp = config.output / (name + ".tmp")
+                torch.save(payload, tmp)
+                os.replace(tmp, config.output / name)
+                manifest.record(sample.idx, name, len(ids), sha256_of(config.output / name))
+            manifest.save()
+            progress.update(len(batch), sum(len(r["input_ids"]) for r in results))
+    finally:
+        progress.close()
+        generator.executor.shutdown()
+        del generator  # let speculators' __del__ run now, not at interpreter teardown
+    return 1 if failures else 0

@@ -1,0 +1,168 @@
+"""``spec-compat extract`` end to end with real vLLM: run, resume after a kill, shards, corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import model_dir, require_speculators
+
+pytestmark = pytest.mark.engine
+LAYERS = "2,0,3"
+
+
+def _dataset(path: Path, n: int, bad: set[int] = frozenset()) -> Path:  # type: ignore[assignment]
+    rng = random.Random(7)
+    with path.open("w") as handle:
+        for i in range(n):
+            ids = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 90))]
+            if i in bad:
+                ids[0] = 10_000  # outside the vocabulary
+            handle.write(json.dumps({"input_ids": ids}) + "\n")
+    return path
+
+
+def _command(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "spec_compat", "extract", "--model", str(model_dir("dense")), "--input", str(data),
+        "--output", str(out), "--layer-ids", LAYERS, "--max-model-len", "256", "--dtype", "float32",
+        "--save-dtype", "float32", *extra,
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(require_speculators("0.4.0.1")),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND="0",
+    )
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _load(out: Path) -> dict[int, dict[str, object]]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {int(k): torch.load(out / v["file"], weights_only=True) for k, v in manifest["samples"].items()}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("extract")
+    data = _dataset(tmp / "data.jsonl", 24)
+    out = tmp / "full"
+    proc = _run(_command(data, out, "--batch-size", "5"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return data, out
+
+
+def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path]) -> None:
+    data, out = full_run
+    samples = _load(out)
+    lines = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
+    assert sorted(samples) == list(range(len(lines)))
+    for idx, sample in samples.items():
+        assert sample["input_ids"].tolist() == lines[idx]  # type: ignore[attr-defined]
+        assert [tuple(h.shape) for h in sample["hidden_states"]] == [(len(lines[idx]), 128)] * 3  # type: ignore[attr-defined]
+        assert sample["loss_mask"].tolist() == [1] * len(lines[idx])  # type: ignore[attr-defined]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (
+        manifest["provenance"]["layer_ids"] == [2, 0, 3]
+        and "request-kwargs" in manifest["provenance"]["adapters_applied"]
+    )
+    lengths = json.loads((out / "sample_lengths.json").read_text())
+    assert lengths == {str(i): len(ids) for i, ids in enumerate(lines)}
+    # speculators' own training dataset reads the files
+    env = _env()
+    check = subprocess.run(
+        [sys.executable, "-c", (
+            "import sys, spec_compat; spec_compat.apply();"
+            "from speculators.train.data import Eagle3SampleFileDataset;"
+            f"ds = Eagle3SampleFileDataset(max_len=256, datapath={str(out)!r});"
+            "item = ds[0]; print(len(ds), tuple(item['hidden_states'].shape))"
+        )],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.split()[-3] == str(len(lines))
+
+
+def test_two_shards_equal_one_run(full_run: tuple[Path, Path], tmp_path: Path) -> None:
+    data, out = full_run
+    for shard in ("0/2", "1/2"):
+        proc = _run(_command(data, tmp_path / "sharded", "--shard", shard, "--batch-size", "4"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    whole, sharded = _load(out), _load(tmp_path / "sharded")
+    assert sorted(sharded) == sorted(whole)
+    for idx, sample in whole.items():
+        for a, b in zip(sample["hidden_states"], sharded[idx]["hidden_states"], strict=True):  # type: ignore[call-overload]
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), idx
+
+
+def test_corrupted_file_is_detected_and_redone(full_run: tuple[Path, Path], tmp_path: Path) -> None:
+    data, out = full_run
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    victim = copy / "data_3.pt"
+    blob = bytearray(victim.read_bytes())
+    blob[-20] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    untouched = (copy / "data_4.pt").stat().st_mtime_ns
+    proc = _run(_command(data, copy, "--batch-size", "5"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sample 3: data_3.pt does not match its sha256 (corrupted)" in proc.stderr
+    assert "1 to do" in proc.stderr
+    assert (copy / "data_4.pt").stat().st_mtime_ns == untouched
+    assert torch.equal(_load(copy)[3]["hidden_states"][0], _load(out)[3]["hidden_states"][0])  # type: ignore[index]
+
+
+def test_killed_run_resumes_without_losing_work(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "data.jsonl", 60)
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen(_command(data, out, "--batch-size", "2"), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    done_before = 0
+    while time.monotonic() < deadline:
+        manifest = out / "manifest.json"
+        if manifest.exists():
+            done_before = len(json.loads(manifest.read_text())["samples"])
+            if done_before >= 4:
+                break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    recorded_at_kill = json.loads((out / "manifest.json").read_text())["samples"]
+    assert 4 <= done_before <= len(recorded_at_kill) < 60, (done_before, len(recorded_at_kill))
+    kept = {name: (out / entry["file"]).stat().st_mtime_ns for name, entry in recorded_at_kill.items()}
+    resumed = _run(_command(data, out, "--batch-size", "8"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"{len(recorded_at_kill)} done, {60 - len(recorded_at_kill)} to do" in resumed.stderr
+    assert sorted(_load(out)) == list(range(60))
+    assert all((out / recorded_at_kill[name]["file"]).stat().st_mtime_ns == mtime for name, mtime in kept.items())
+    assert not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("on_error", ["skip", "stop"])
+def test_failed_batch_is_reported(tmp_path: Path, on_error: str) -> None:
+    data = _dataset(tmp_path / "data.jsonl", 12, bad={5})
+    out = tmp_path / on_error
+    proc = _run(_command(data, out, "--batch-size", "4", "--on-error", on_error))
+    assert proc.returncode == 1
+    assert "batch of samples [4, 5, 6, 7] failed" in proc.stderr and "outside the vocabulary" in proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(map(int, manifest["failed"])) == [4, 5, 6, 7]
+    expected = [0, 1, 2, 3, 8, 9, 10, 11] if on_error == "skip" else [0, 1, 2, 3]
+    assert sorted(map(int, manifest["samples"])) == expected
