@@ -183,20 +183,31 @@ def plan(dtype: str | None = None, check_results: bool = True) -> Report:
             scratch.revert()
 
 
+_worker_process_applied = False
+
+
 def apply_in_worker(options_json: str) -> Report:
-    """Worker-process side (called by the vLLM plugin): import-time and worker adapters only."""
-    global _report
+    """Worker-process side (the vLLM plugin, or spec_compat's worker entry point): import-time,
+    worker and worker-process adapters. Under fork the driver's patches are inherited and only
+    the worker-process adapters are added."""
+    global _report, _worker_process_applied
     options = Options.from_json(options_json)
     with _lock:
-        if _report is not None:
+        if _worker_process_applied and _report is not None:
             return _report
-        env = detect()
-        ctx = Context(env=env, options=options)
-        report = Report(env=env, options=options)
-        _run_side(ctx, "import", report, _patcher)
         from .adapters import speculators_code
 
-        ctx.worker = speculators_code.import_worker()
-        _run_side(ctx, "worker", report, _patcher)
+        env = detect()
+        ctx = Context(env=env, options=options)
+        if _report is None:
+            report = Report(env=env, options=options)
+            _run_side(ctx, "import", report, _patcher)
+            ctx.worker = speculators_code.import_worker()
+            _run_side(ctx, "worker", report, _patcher)
+        else:
+            report = _report
+            ctx.worker = speculators_code.import_worker()
+        _run_side(ctx, "worker-process", report, _patcher)
+        _worker_process_applied = True
         _report = report
         return report

@@ -4,6 +4,7 @@ Each record says what it patches, why, which vLLM change made it necessary, how 
 and when it can be deleted (vllm-ascend's patch notes are the model). ``side``:
 ``import``: before speculators is imported (driver and every worker);
 ``worker``: speculators' worker module, in the driver (fork) and in every worker (plugin);
+``worker-process``: vLLM's worker classes, only inside workers started by spec_compat's executor;
 ``driver``: speculators' generator module, in the driver only.
 Within ``generate`` the wrappers nest in list order: a later one wraps an earlier one.
 """
@@ -14,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .adapters import driver_calls, executor, generate, imports, kv_cache, worker
+from .adapters import driver_calls, executor, generate, imports, kv_cache, worker, worker_process
 from .adapters.probe import Probe
 from .options import Context
 from .patching import Patcher
 
-Side = Literal["import", "worker", "driver"]
+Side = Literal["import", "worker", "worker-process", "driver"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,17 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="vLLM transports exception type and traceback from workers",
         probe=worker.probe_loud_worker_errors,
         apply=worker.apply_loud_worker_errors,
+    ),
+    Adapter(
+        id="worker-exception-transport",
+        side="worker-process",
+        patches="vllm WorkerProc.handle_output, in spec_compat's worker processes only",
+        why="any worker RPC failure (vLLM's own execute_model included) reaches the caller as str(exc) only",
+        vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
+        detect="WorkerProc defines handle_output",
+        delete_when="vLLM transports exception type and traceback from workers",
+        probe=worker_process.probe_exception_transport,
+        apply=worker_process.apply_exception_transport,
     ),
     # ---- driver side: names in speculators.data_generation.vllm_hidden_states_generator -------------
     Adapter(

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from .. import remote_errors
+from ..errors import WorkerError
 from ..options import WORKER_ENV, Context
 from ..patching import Patcher
 from . import speculators_code
@@ -42,6 +45,78 @@ def _scoped_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+_ORIGINAL_WORKER_MAIN: Any = None
+
+
+def spec_compat_worker_main(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's worker entry point, after applying the worker-side adapters in this process.
+
+    Used as the worker process target while spec_compat's executor starts its workers: a forked
+    child runs it directly, a spawned child imports it by name (so it works even where the
+    ``vllm.general_plugins`` entry point is filtered out or plugins were loaded before a fork)."""
+    from .. import apply_in_worker
+
+    options_json = os.environ.get(WORKER_ENV)
+    if options_json:
+        apply_in_worker(options_json)
+    original = _ORIGINAL_WORKER_MAIN
+    if original is None:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+
+        original = WorkerProc.worker_main
+    return original(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _worker_entry_point() -> Iterator[None]:
+    global _ORIGINAL_WORKER_MAIN
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:
+        yield
+        return
+    saved = vars(WorkerProc).get("worker_main")
+    if saved is None:
+        yield
+        return
+    _ORIGINAL_WORKER_MAIN = WorkerProc.worker_main
+    WorkerProc.worker_main = staticmethod(spec_compat_worker_main)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        WorkerProc.worker_main = saved  # type: ignore[method-assign]
+
+
+def dead_worker_error(executor: Any, method: Any, wait_s: float = 2.0) -> WorkerError | None:
+    """A WorkerError naming the worker process that died, if one did."""
+    handles = list(getattr(executor, "workers", None) or [])
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [h for h in handles if getattr(getattr(h, "proc", None), "exitcode", None) is not None]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not dead:
+        return None
+    # Workers stopped by vLLM's own shutdown after the first death exit with SIGTERM.
+    dead.sort(key=lambda h: h.proc.exitcode == -signal.SIGTERM)
+    first = dead[0]
+
+    def describe(handle: Any) -> str:
+        code = handle.proc.exitcode
+        how = f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+        return f"rank {handle.rank} (pid {handle.proc.pid}) {how}"
+
+    name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+    return WorkerError(
+        exc_type="WorkerProcessDied",
+        message="worker process " + "; ".join(describe(h) for h in dead),
+        rank=first.rank,
+        remote_traceback="(the process died: no Python traceback; see its log or a core dump)",
+        method=name,
+    )
+
+
 def make_executor_class(base: type) -> type:
     """A subclass of vLLM's MultiprocExecutor with switchable compatibility behaviour."""
     if base in _SUBCLASSES:
@@ -67,7 +142,8 @@ def make_executor_class(base: type) -> type:
                     env["VLLM_PLUGINS"] = f"{plugins},{PLUGIN_NAME}" if plugins else PLUGIN_NAME
             if self.force_v1_model_runner and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-            with _scoped_environ(env):
+            entry_point = _worker_entry_point() if self.worker_options_json is not None else contextlib.nullcontext()
+            with _scoped_environ(env), entry_point:
                 super().__init__(vllm_config, *args, **kwargs)
             _EXECUTORS[id(vllm_config)] = self
             if self.resolve_kv_layout:

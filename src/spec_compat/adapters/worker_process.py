@@ -1,0 +1,40 @@
+"""Adapters applied only inside worker processes started by spec_compat's executor.
+
+These touch vLLM's own worker classes, so they never run in the driver (a fork of the driver
+would carry them into other engines' workers); the plugin applies them in our workers only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..options import Context
+from ..patching import Patcher
+from ..remote_errors import _BEGIN, encode
+from .probe import Probe
+from .worker import _tp_rank
+
+
+def probe_exception_transport(ctx: Context) -> Probe:
+    from vllm.v1.executor import multiproc_executor
+
+    proc_cls = getattr(multiproc_executor, "WorkerProc", None)
+    if proc_cls is None or "handle_output" not in vars(proc_cls):
+        return Probe(False, "this vLLM's worker process has no handle_output() to carry exceptions through")
+    return Probe(True, "WorkerProc replies (FAILURE, str(exc)): any worker RPC error loses its type and traceback")
+
+
+def apply_exception_transport(ctx: Context, patcher: Patcher) -> None:
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    original = vars(WorkerProc)["handle_output"]
+
+    @functools.wraps(original)
+    def handle_output(self: Any, output: Any) -> Any:
+        if isinstance(output, Exception) and _BEGIN not in str(output):
+            rank = _tp_rank()
+            output = encode(output, rank if rank is not None else getattr(self, "rank", None), "worker RPC")
+        return original(self, output)
+
+    patcher.replace("worker-exception-transport", WorkerProc, "handle_output", handle_output)

