@@ -23,6 +23,7 @@ from .driver_calls import _generator
 from .probe import Probe
 
 PLUGIN_NAME = "spec_compat"
+DRAIN_TIMEOUT_S = 60.0
 _EXECUTORS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _SUBCLASSES: dict[type, type] = {}
 
@@ -164,7 +165,14 @@ def make_executor_class(base: type) -> type:
             try:
                 result = super().collective_rpc(method, *args, **kwargs)
             except Exception as exc:
-                remote_errors.raise_decoded(exc)
+                decoded = remote_errors.decode(str(exc))
+                if decoded is not None:
+                    if kwargs.get("unique_reply_rank") is None and decoded.rank is not None:
+                        self._drain_replies_after(decoded.rank)
+                    raise decoded from exc
+                died = dead_worker_error(self, method)
+                if died is not None:
+                    raise died from exc
                 raise
             if speculators_rpc and reply_rank is not None:
                 if self.all_ranks_reply and kwargs.get("non_block") is not True:
@@ -172,6 +180,19 @@ def make_executor_class(base: type) -> type:
                 if self.reply_as_list:
                     result = [result]
             return result
+
+        def _drain_replies_after(self, failed_rank: int) -> None:
+            # vLLM reads replies in rank order and stops at the first failure: the replies of the
+            # later ranks stay queued and would be taken as the answers to the *next* RPC.
+            for queue in list(getattr(self, "response_mqs", None) or [])[failed_rank + 1 :]:
+                try:
+                    queue.dequeue(timeout=DRAIN_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - cannot resynchronise: refuse further use
+                    self.is_failed = True
+                    raise RuntimeError(
+                        "spec_compat: a worker failed and the other workers' replies could not be drained; "
+                        "this executor cannot be used further"
+                    ) from exc
 
         def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self.step_log.append([(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()])
