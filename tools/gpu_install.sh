@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Install the bundle made by tools/gpu_bundle.py on the device machine (no network there).
 #
-#   bash tools/gpu_install.sh [BUNDLE_DIR]      # default /tmp/sc_bundle
-#   . /tmp/sc/env.sh                            # the exports it prints (PYTHONPATH etc.)
+#   bash tools/gpu_install.sh --stash [BUNDLE_DIR]   # a transfer call: keep the carried part
+#   bash tools/gpu_install.sh [BUNDLE_DIR]           # the last call: keep it, then install
+#   . /tmp/sc/env.sh                                 # the exports it prints (PYTHONPATH etc.)
 #
-# BUNDLE_DIR holds the parts (sc_bundle.tar.xz.partNN), manifest.json and SHA256SUMS, copied
-# there one part per device call. This script checks every part's sha256, joins them, checks
+# BUNDLE_DIR (default /tmp/sc_bundle) accumulates the parts (sc_bundle.tar.xz.partNN),
+# manifest.json and SHA256SUMS, one part per device call: each call carries
+# build/gpu_parts/p<i>/ (staged by `python tools/gpu_bundle.py --stage`), and both forms first
+# copy every build/gpu_parts/p*/ present into BUNDLE_DIR. The install checks every part's sha256, joins them, checks
 # the joined sha256, unpacks, and installs with pip --no-index --no-deps --no-compile --target:
 # vLLM and its dependencies into $SITE, speculators 0.4.0.1 into $SITE_SPEC_04 and 0.3.0 into
 # $SITE_SPEC_03. spec_compat itself is used from this repository's src/ (on PYTHONPATH), and a
@@ -17,6 +20,8 @@
 # SC_ENV_FILE (default $SC_ROOT/env.sh), PYTHON (default python3).
 set -euo pipefail
 
+STASH_ONLY=0
+if [ "${1:-}" = "--stash" ]; then STASH_ONLY=1; shift; fi
 BUNDLE_DIR="${1:-${SC_BUNDLE_DIR:-/tmp/sc_bundle}}"
 SC_ROOT="${SC_ROOT:-/tmp/sc}"
 SITE="${SITE:-$SC_ROOT/site}"
@@ -29,7 +34,29 @@ MARKER="$SC_ROOT/.installed"
 say() { echo "[gpu_install] $*"; }
 started=$SECONDS
 
+# Keep whatever parts this call carried (one folder per part; never one cp over several folders:
+# their manifest.json files have the same name).
+mkdir -p "$BUNDLE_DIR"
+for staged in "$REPO"/build/gpu_parts/p*/; do
+  [ -d "$staged" ] || continue
+  cp -p "$staged"* "$BUNDLE_DIR"/
+  say "kept $(cd "$staged" && ls *.part* 2>/dev/null | tr '\n' ' ')-> $BUNDLE_DIR"
+done
 [ -f "$BUNDLE_DIR/manifest.json" ] || { say "no manifest.json in $BUNDLE_DIR"; exit 2; }
+parts_state() {
+  "$PY" - "$BUNDLE_DIR" <<'PYCODE'
+import json, os, sys
+d = sys.argv[1]
+m = json.load(open(os.path.join(d, "manifest.json")))
+have = [p["name"] for p in m["parts"] if os.path.isfile(os.path.join(d, p["name"]))]
+print(f"{len(have)}/{len(m['parts'])}", " ".join(p["name"] for p in m["parts"] if p["name"] not in have))
+PYCODE
+}
+if [ "$STASH_ONLY" = 1 ]; then
+  read -r count missing_parts <<<"$(parts_state)"
+  say "$BUNDLE_DIR holds $count parts; missing: ${missing_parts:-none} ($(df -h "$BUNDLE_DIR" | awk 'NR==2 {print $4}') free)"
+  exit 0
+fi
 manifest_field() { "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["joined"][sys.argv[2]])' \
   "$BUNDLE_DIR/manifest.json" "$1"; }
 JOINED_NAME="$(manifest_field name)"
@@ -40,15 +67,9 @@ if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$JOINED_SHA" ]; then
   say "bundle $JOINED_SHA already installed in $SC_ROOT"
 else
   # 1. every part present and intact
-  missing=$("$PY" - "$BUNDLE_DIR" <<'PYCODE'
-import json, os, sys
-d = sys.argv[1]
-m = json.load(open(os.path.join(d, "manifest.json")))
-print(" ".join(p["name"] for p in m["parts"] if not os.path.isfile(os.path.join(d, p["name"]))))
-PYCODE
-)
-  if [ -n "$missing" ]; then
-    say "missing parts in $BUNDLE_DIR: $missing"
+  read -r count missing <<<"$(parts_state)"
+  if [ -n "${missing:-}" ]; then
+    say "missing parts in $BUNDLE_DIR ($count present): $missing"
     say "(a machine left idle for 30 s is given back and /tmp starts empty: send the parts again, back to back)"
     exit 2
   fi

@@ -187,7 +187,7 @@ def make_executor_class(base: type) -> type:
             for queue in list(getattr(self, "response_mqs", None) or [])[failed_rank + 1 :]:
                 try:
                     queue.dequeue(timeout=DRAIN_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001 - cannot resynchronise: refuse further use
+                except Exception as exc:
                     self.is_failed = True
                     raise RuntimeError(
                         "spec_compat: a worker failed and the other workers' replies could not be drained; "
