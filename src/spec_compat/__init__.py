@@ -133,7 +133,11 @@ def _build(options: Options, patcher: Patcher, keep_patches: bool) -> Report:
 
 
 def apply(
-    strict: bool = False, dtype: str | None = None, check_results: bool = True, disable: Iterable[str] = ()
+    strict: bool = False,
+    dtype: str | None = None,
+    check_results: bool = True,
+    disable: Iterable[str] = (),
+    worker_log_level: str | None = None,
 ) -> Report:
     """Make the installed speculators generator work on the installed vLLM. Idempotent.
 
@@ -141,6 +145,8 @@ def apply(
     ``SPEC_COMPAT_DTYPE`` environment variable, else speculators' "auto").
     ``strict``: raise IncompatibleError if anything cannot be made compatible.
     ``disable``: adapter ids to leave out (also ``SPEC_COMPAT_DISABLE``), for diagnosis.
+    ``worker_log_level``: e.g. "INFO" to see speculators' worker log lines from every TP worker,
+    prefixed with the rank (also ``SPEC_COMPAT_WORKER_LOG_LEVEL``).
     """
     global _report
     from .registry import BY_ID
@@ -148,7 +154,9 @@ def apply(
     unknown = sorted(set(disable) - set(BY_ID))
     if unknown:
         raise ValueError(f"unknown adapter ids {unknown}; known: {sorted(BY_ID)}")
-    options = Options.from_env(dtype=dtype, check_results=check_results, disable=tuple(disable))
+    options = Options.from_env(
+        dtype=dtype, check_results=check_results, disable=tuple(disable), worker_log_level=worker_log_level
+    )
     with _lock:
         if _report is not None and _report.options == options:
             report = _report
@@ -208,6 +216,10 @@ def apply_in_worker(options_json: str) -> Report:
             report = _report
             ctx.worker = speculators_code.import_worker()
         _run_side(ctx, "worker-process", report, _patcher)
+        if options.worker_log_level:
+            from .worker_logs import show_worker_logs
+
+            show_worker_logs(options.worker_log_level)
         _worker_process_applied = True
         _report = report
         return report
