@@ -54,6 +54,8 @@ def main() -> None:
                 worst = max(worst, float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
         if call == 9:
             record["rss_after_10"] = _rss(pids)
+        if call % 25 == 24:
+            record.setdefault("rss_curve", []).append([call + 1, *_rss(pids)])
     record.update(
         rss_end=_rss(pids),
         max_rel_diff_vs_single=worst,

@@ -19,8 +19,8 @@ HERE = Path(__file__).resolve().parent
 CALLS = int(os.environ.get("SPEC_COMPAT_STATE_CALLS", "200"))
 
 
-def _state_run(tmp_path: Path, tp: int) -> tuple[dict[str, Any], str]:
-    out = tmp_path / "state.json"
+def _cell(script: str, tmp_path: Path, tp: int) -> tuple[dict[str, Any], str]:
+    out = tmp_path / f"{script}.json"
     env = dict(
         os.environ,
         PYTHONPATH=str(require_speculators("0.4.0.1")),
@@ -28,21 +28,34 @@ def _state_run(tmp_path: Path, tp: int) -> tuple[dict[str, Any], str]:
         VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
     )
     proc = subprocess.run(
-        [sys.executable, str(HERE / "state_cell.py"), str(model_dir("qwen3_moe")), str(tp), str(CALLS), str(out)],
+        [sys.executable, str(HERE / script), str(model_dir("qwen3_moe")), str(tp), str(CALLS), str(out)],
         env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return json.loads(out.read_text()), proc.stdout + proc.stderr
 
 
+def _growth(record: dict[str, Any]) -> list[int]:
+    return [end - mid for end, mid in zip(record["rss_end"], record["rss_after_10"], strict=True)]
+
+
 def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path) -> None:
-    record, output = _state_run(tmp_path, tp=2)
-    # speculators issue 279: state leaking between calls. Batch composition may change the
-    # summation order of CPU kernels, so equality is to float32 rounding, not bitwise.
+    record, output = _cell("state_cell.py", tmp_path, tp=2)
+    baseline, _ = _cell("llm_rss_cell.py", tmp_path, tp=2)
+    # speculators issue 279 was state leaking between calls: every result of the varied batches
+    # must equal the fresh single-prompt call (float32; allow rounding if kernels reorder sums).
     assert record["max_rel_diff_vs_single"] <= 1e-5, record
-    growth = [(end - mid) / mid for end, mid in zip(record["rss_end"], record["rss_after_10"], strict=True)]
-    record_figure("state-200-calls", {**record, "rss_growth_after_10": growth})
-    assert max(growth) < 0.05, f"RSS grew by {max(growth):.1%} between call 10 and call {CALLS}: {record}"
+    driver_growth, *worker_growth = _growth(record)
+    vllm_worker_growth = _growth(baseline)
+    record_figure(
+        "state-calls",
+        {**record, "calls": CALLS, "worker_growth": worker_growth, "vllm_llm_worker_growth": vllm_worker_growth},
+    )
+    assert driver_growth < 0.02 * record["rss_after_10"][0], record
+    # vLLM's CPU workers grow on their own under varied batches (measured: ~+0.6 MB/call with
+    # vllm.LLM alone); the shim must not add to that beyond noise.
+    allowance = 1.5 * max(vllm_worker_growth) + (32 << 20)
+    assert max(worker_growth) <= allowance, (worker_growth, vllm_worker_growth)
     # worker logs: speculators' INFO line from each TP worker, with the rank
     for rank in (0, 1):
         assert (
