@@ -9,14 +9,19 @@ bfloat16, a cell runs
     VllmHiddenStatesGenerator(model, layer_ids=[2, 0, 3], max_model_len=256, tensor_parallel_size=tp)
 
 (speculators' untouched generator) on the 15 prompts of ``tests/engine_harness.prompts()`` and the
-parent compares every returned layer with HF transformers in float32 (eager, TF32 off, on the GPU
-by default): float32 cells by max|vllm - hf| / max(1, max|hf|) (tolerance 1e-3, as in
+parent compares every returned layer with HF transformers in float32 (eager, TF32 off; computed on
+the GPU and cross-checked against the CPU reference that tests/test_engine.py uses, which replaces
+it if they disagree): float32 cells by max|vllm - hf| / max(1, max|hf|) (tolerance 1e-3, as in
 tests/test_engine.py), bfloat16 cells by relative L2 error and cosine similarity per token. TP=2
 is also compared with TP=1. Wall times (engine start, generate) are recorded.
 
 Each cell is isolated (its own process group, a timeout, a failure recorded with its output tail
-and the rest going on); cells run in priority order and no cell starts that could not finish
-inside ``--budget-s``, so the whole run fits one device call. Results are written to
+and the rest going on); cells run in priority order (0.4.0.1 dense TP=1, 0.4.0.1 DeepSeek-V3
+TP=1, 0.4.0.1 Qwen3-MoE TP=2, 0.3.0 dense TP=1, then the rest; float32 then bfloat16) and no cell
+starts that could not finish inside ``--budget-s``, so the whole run fits one device call;
+``--resume`` (same ``--work`` folder, machine still warm) runs only what is left. ``--jobs N``
+runs N cells at a time after the first ``--serial-first`` cells (which run alone, for clean
+timings), passing the generator ``gpu_memory_utilization`` = 0.85 / N. Results are written to
 ``--out`` (``$OUT`` on the device) after every cell: ``gpu_cells.json`` and ``gpu_cells_logs.txt``.
 
     python3 tools/gpu_cells.py --out "$OUT"                 # on the device, after . /tmp/sc/env.sh
@@ -31,6 +36,7 @@ import gc
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -54,6 +60,7 @@ PRIORITY = [("0.4.0.1", "dense", 1), ("0.4.0.1", "deepseek_v3", 1), ("0.4.0.1", 
 FP32_TOLERANCE = 1e-3  # max|vllm - hf| / max(1, max|hf|), as tests/test_engine.py
 BF16_MAX_REL_L2 = 5e-2  # per token ||vllm - hf|| / ||hf||
 BF16_MIN_COSINE = 0.995  # per token
+REF_AGREEMENT = 1e-4  # HF on the GPU vs HF on the CPU, both float32 (TF32 off)
 # Always set for the cells (NVLink multicast must stay off on the lent machines).
 CELL_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -70,7 +77,11 @@ CELL_ENV = {
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 STATE_FILE = "gpu_cells_state.json"
 FINAL = ("pass", "mismatch", "failed", "timeout", "bad-record")
-LOG_HINTS = ("backend", "Backend", "FlashAttention", "Using ", "MoE", "all-reduce", "allreduce", "dtype")
+# Log lines worth keeping in the summary: which kernels vLLM chose, memory, all-reduce.
+LOG_HINTS = re.compile(
+    r"(?i)attention backend|using .*backend|backend for|flashattention|flash_attn|mla|moe|all-?reduce|pynccl"
+    r"|kv cache|model loading took|dtype="
+)
 
 
 @dataclass(frozen=True)
@@ -97,9 +108,21 @@ def all_cells() -> list[Cell]:
 
 
 def child(spec_path: str, out_path: str) -> None:
+    """One cell. On failure what it got to (timings, spec_compat's report, the error) is written
+    to ``<out_path>.partial.json`` for the parent, and the exception propagates."""
     with open(spec_path) as handle:
         spec = json.load(handle)
     record: dict[str, Any] = {"timings": {}}
+    try:
+        run_child(spec, out_path, record)
+    except BaseException as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
+        with open(out_path + ".partial.json", "w") as handle:
+            json.dump({k: v for k, v in record.items() if k != "results"}, handle, default=str)
+        raise
+
+
+def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> None:
     timings = record["timings"]
     started = time.perf_counter()
     import spec_compat
@@ -411,9 +434,10 @@ def start_cell(session: Session, cell: Cell, gpu_util: float | None) -> Running:
     out_path = cells_dir / f"{cell.name}.pt"
     log_path = cells_dir / f"{cell.name}.log"
     out_path.unlink(missing_ok=True)
+    Path(str(out_path) + ".partial.json").unlink(missing_ok=True)
     spec_path.write_text(json.dumps(spec))
     remaining = session.args.budget_s - session.elapsed()
-    timeout = max(30.0, min(session.args.cell_timeout, remaining + session.args.grace_s))
+    timeout = max(10.0, min(session.args.cell_timeout, remaining + session.args.grace_s))
     handle = log_path.open("wb")
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path), str(out_path)],
@@ -435,7 +459,7 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         except (ProcessLookupError, PermissionError):
             return
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             continue
         if sig == signal.SIGTERM:
@@ -449,8 +473,12 @@ def log_tail(path: Path, limit: int) -> str:
 
 def log_hints(path: Path) -> list[str]:
     text = path.read_bytes().decode("utf-8", "replace") if path.exists() else ""
-    lines = [line.strip()[-300:] for line in text.splitlines() if any(h in line for h in LOG_HINTS)]
-    return lines[:25]
+    lines = []
+    for line in text.splitlines():
+        line = line.strip()[-300:]
+        if LOG_HINTS.search(line) and "Warning" not in line and line not in lines:
+            lines.append(line)
+    return lines[:30]
 
 
 def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
@@ -476,6 +504,19 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         entry["status"] = "timeout"
     elif returncode != 0 or not run.out_path.exists():
         entry["status"] = "failed"
+        partial = Path(str(run.out_path) + ".partial.json")
+        if partial.exists():
+            try:
+                got = json.loads(partial.read_text())
+                entry.update(
+                    error=got.get("error"),
+                    timings={k: round(v, 3) for k, v in got.get("timings", {}).items()},
+                    applied=got.get("applied"),
+                    problems=got.get("problems"),
+                    report=got.get("report"),
+                )
+            except (OSError, ValueError) as exc:
+                entry["error"] = f"unreadable {partial.name}: {exc}"
     else:
         try:
             record = torch.load(run.out_path, weights_only=False)
@@ -486,6 +527,7 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
                 timings={k: round(v, 3) for k, v in record["timings"].items()},
                 applied=record["applied"],
                 problems=record["problems"],
+                report=record.get("report"),
                 returned_dtype=record.get("returned_dtype"),
                 spec_compat_env=record.get("env"),
             )
@@ -511,21 +553,38 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
 
 
 def prepare(session: Session, cells: list[Cell]) -> None:
-    """Tiny models and the HF reference of each family the cells use."""
+    """Tiny models and the HF reference of each family the cells use. With a GPU reference, the
+    CPU reference (what tests/test_engine.py uses) is computed too, as a cross-check: the GPU one
+    is used only if it ran and agrees with it to REF_AGREEMENT; otherwise the CPU one is."""
     sys.path.insert(0, str(TESTS))
+    from transformers.utils import logging as hf_logging
+
     from tiny_models import build_model
 
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     ref_device = session.args.ref_device
     for family in dict.fromkeys(c.family for c in cells):
         began = time.perf_counter()
-        session.models[family] = build_model(family, session.work / "models" / family)
-        session.references[family] = hf_layer_outputs_on(session.models[family], session.prompts, LAYER_IDS, ref_device)
-        session.info.setdefault("references", {})[family] = {
-            "device": ref_device,
-            "seconds": round(time.perf_counter() - began, 2),
-            "layer_mixup": mixup_metrics(session.references[family]),
-        }
-        print(f"[gpu_cells] {session.elapsed():6.1f}s model + HF reference for {family} on {ref_device}", flush=True)
+        model = session.models[family] = build_model(family, session.work / "models" / family)
+        record: dict[str, Any] = {"device": "cpu"}
+        cpu_ref = hf_layer_outputs_on(model, session.prompts, LAYER_IDS, "cpu")
+        reference = cpu_ref
+        if ref_device != "cpu":
+            try:
+                gpu_ref = hf_layer_outputs_on(model, session.prompts, LAYER_IDS, ref_device)
+                agreement = fp32_metric(gpu_ref, cpu_ref)["max_rel_diff"]
+                record[f"{ref_device}_vs_cpu_max_rel_diff"] = agreement
+                if agreement <= REF_AGREEMENT:
+                    reference, record["device"] = gpu_ref, ref_device
+                else:
+                    record["note"] = f"{ref_device} reference differs from CPU by {agreement:.2e}: CPU used"
+            except Exception as exc:  # noqa: BLE001 - fall back to the CPU reference, say why
+                record["note"] = f"{ref_device} reference failed ({type(exc).__name__}: {exc}): CPU used"
+        session.references[family] = reference
+        record["seconds"] = round(time.perf_counter() - began, 2)
+        record["layer_mixup"] = mixup_metrics(reference)
+        session.info.setdefault("references", {})[family] = record
+        print(f"[gpu_cells] {session.elapsed():6.1f}s model + HF reference for {family}: {record}", flush=True)
 
 
 def select_cells(args: argparse.Namespace, gpus: int) -> tuple[list[Cell], list[dict[str, Any]]]:
@@ -541,6 +600,48 @@ def select_cells(args: argparse.Namespace, gpus: int) -> tuple[list[Cell], list[
         if c.tp > gpus
     ]
     return [c for c in cells if c.tp <= gpus], skipped
+
+
+def schedule(
+    session: Session,
+    cells: list[Cell],
+    start: Callable[[Cell, float | None], Running],
+    finish: Callable[[Running, bool], None],
+    poll_s: float = 0.5,
+) -> None:
+    """Run the cells in order. The first ``--serial-first`` cells run alone (clean timings, the
+    generator's default memory share); after them up to ``--jobs`` at a time, the GPU memory
+    split between them. No cell starts that would not end inside ``--budget-s`` (judged by the
+    median of the cells so far); a cell running past its timeout is killed with its workers."""
+    args = session.args
+    pending = list(cells)
+    running: list[Running] = []
+    started_count = 0
+    while pending or running:
+        for run_ in list(running):
+            run_.max_concurrent = max(run_.max_concurrent, len(running))
+            code = run_.proc.poll()
+            over = time.perf_counter() - run_.started > run_.timeout
+            if code is not None or over:
+                running.remove(run_)
+                if code is None:
+                    kill_group(run_.proc)
+                finish(run_, code is None)
+        serial_running = any(r.gpu_memory_utilization is None for r in running)
+        limit = 1 if started_count < args.serial_first or serial_running else args.jobs
+        while pending and len(running) < limit:
+            estimate = statistics.median(session.durations) if session.durations else args.first_estimate_s
+            if session.elapsed() + estimate > args.budget_s:
+                reason = f"time budget ({args.budget_s:.0f} s) would be exceeded; rerun with --resume"
+                session.cells.extend({"cell": c.name, "status": "not-run", "reason": reason} for c in pending)
+                pending.clear()
+                session.write()
+                break
+            gpu_util = None if limit <= 1 else round(args.gpu_util_total / limit, 2)
+            running.append(start(pending.pop(0), gpu_util))
+            started_count += 1
+        if pending or running:
+            time.sleep(poll_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -585,35 +686,12 @@ def run(args: argparse.Namespace) -> int:
     prepare(session, cells)
     session.write()
 
-    pending = list(cells)
-    running: list[Running] = []
-    started_count = 0
-    while pending or running:
-        for run_ in list(running):
-            run_.max_concurrent = max(run_.max_concurrent, len(running))
-            code = run_.proc.poll()
-            over = time.perf_counter() - run_.started > run_.timeout
-            if code is not None or over:
-                running.remove(run_)
-                if code is None:
-                    kill_group(run_.proc)
-                finish_cell(session, run_, timed_out=code is None)
-        # The first --serial-first cells run alone (clean timings, the generator's default memory
-        # share); after them up to --jobs at a time, the GPU memory split between them.
-        serial_running = any(r.gpu_memory_utilization is None for r in running)
-        limit = 1 if started_count < args.serial_first or serial_running else args.jobs
-        while pending and len(running) < limit:
-            estimate = statistics.median(session.durations) if session.durations else args.first_estimate_s
-            if session.elapsed() + estimate > args.budget_s:
-                reason = f"time budget ({args.budget_s:.0f} s) would be exceeded; rerun with --resume"
-                session.cells.extend({"cell": c.name, "status": "not-run", "reason": reason} for c in pending)
-                pending.clear()
-                session.write()
-                break
-            gpu_util = None if limit <= 1 else round(args.gpu_util_total / limit, 2)
-            running.append(start_cell(session, pending.pop(0), gpu_util))
-            started_count += 1
-        time.sleep(0.5)
+    schedule(
+        session,
+        cells,
+        start=lambda cell, util: start_cell(session, cell, util),
+        finish=lambda run_, timed_out: finish_cell(session, run_, timed_out),
+    )
     session.write()
     print_table(session)
     bad = [c for c in session.cells if c["status"] not in ("pass", "skipped", "not-run")]

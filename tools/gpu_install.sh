@@ -29,6 +29,7 @@ SITE_SPEC_04="${SITE_SPEC_04:-$SC_ROOT/spec-0.4.0.1}"
 SITE_SPEC_03="${SITE_SPEC_03:-$SC_ROOT/spec-0.3.0}"
 ENV_FILE="${SC_ENV_FILE:-$SC_ROOT/env.sh}"
 PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MARKER="$SC_ROOT/.installed"
 say() { echo "[gpu_install] $*"; }
@@ -178,7 +179,7 @@ for dist in md.distributions(path=[str(site)]):
         if not req.specifier.contains(have, prereleases=True):
             unmet.append(f"{dist.metadata['Name']} -> {req}: have {have}")
 print(f"[gpu_install] requirement check: {len(unmet)} unmet (optional kernel packages not counted)")
-for line in sorted(unmet):
+for line in sorted(unmet)[:60]:
     print(f"[gpu_install]   {line}")
 PYCODE
 
