@@ -53,7 +53,7 @@ def main() -> int:
     reference = hf_layer_outputs(model, prompts, layer_ids)
     worst = 0.0
     for got, want in zip(results, reference, strict=True):
-        for g, w in zip( got["hidden_states"], want, strict=True):
+        for g, w in zip(got["hidden_states"], want, strict=True):
             diff = float((g.float() - w).abs().max())
             worst = max(worst, diff / max(1.0, float(w.abs().max())))
     verdict = "OK" if worst <= 1e-3 else "MISMATCH"

@@ -60,6 +60,8 @@ PRIORITY = [("0.4.0.1", "dense", 1), ("0.4.0.1", "deepseek_v3", 1), ("0.4.0.1", 
 FP32_TOLERANCE = 1e-3  # max|vllm - hf| / max(1, max|hf|), as tests/test_engine.py
 BF16_MAX_REL_L2 = 5e-2  # per token ||vllm - hf|| / ||hf||
 BF16_MIN_COSINE = 0.995  # per token
+GPU_FP32_MEAN_REL_L2 = 1e-2  # mean over tokens (see judge())
+GPU_BF16_MEAN_REL_L2 = 5e-2
 REF_AGREEMENT = 1e-4  # HF on the GPU vs HF on the CPU, both float32 (TF32 off)
 # Always set for the cells (NVLink multicast must stay off on the lent machines).
 CELL_ENV = {
@@ -277,7 +279,16 @@ def judge(cell: Cell, record: dict[str, Any], reference: list[Any], prompts: lis
         tm = verdict["token_metric"]
         ok = tm["rel_l2_max"] <= BF16_MAX_REL_L2 and tm["cosine_min"] >= BF16_MIN_COSINE
         verdict["criterion"] = f"rel_l2_max <= {BF16_MAX_REL_L2} and cosine_min >= {BF16_MIN_COSINE}"
-    verdict["pass"] = bool(ok and verdict["input_order_ok"] and verdict["count_ok"] and not record.get("problems"))
+    tm = verdict["token_metric"]
+    # Random-weight MoE routers have near ties: GPU rounding (TF32 / Triton MoE / bf16) flips the
+    # expert choice of a few tokens, which then differ a lot while the rest agree. The mean-token
+    # criterion judges the bulk; the strict one above judges every token.
+    mean_limit, cos_limit = (GPU_FP32_MEAN_REL_L2, 0.999) if cell.dtype == "float32" else (GPU_BF16_MEAN_REL_L2, 0.99)
+    verdict["mean_criterion"] = f"rel_l2_mean <= {mean_limit} and cosine_mean >= {cos_limit}"
+    verdict["mean_pass"] = bool(tm["rel_l2_mean"] <= mean_limit and tm["cosine_mean"] >= cos_limit)
+    sound = verdict["input_order_ok"] and verdict["count_ok"] and not record.get("problems")
+    verdict["pass"] = bool(ok and sound)
+    verdict["mean_pass"] = bool(verdict["mean_pass"] and sound)
     return verdict
 
 

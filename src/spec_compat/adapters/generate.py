@@ -332,6 +332,8 @@ def _verify_worker_order(generator: Any) -> None:
     steps = generator.executor.step_log
     expected = [req_id for req_id, _ in steps[-1]] if steps else None
     for worker_order in log:
+        if not worker_order:
+            continue  # a dummy/profile forward (vLLM's warm-up on GPU) carries no request
         if expected is not None and [r for r in worker_order if r is not None] != expected:
             raise IncompatibleError(
                 f"the worker batched requests in order {worker_order}, the scheduler in {expected}: "
