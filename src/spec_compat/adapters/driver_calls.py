@@ -173,6 +173,6 @@ def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
         override["block_size"] = lambda kw: _resolved_block_sizes(kw)[0]
     else:
         drop.add("block_size")
-    if accepts(target, "hash_block_size") and "hash_block_size" in target.__init__.__code__.co_varnames:
+    if accepts(target, "hash_block_size"):
         override["hash_block_size"] = lambda kw: _resolved_block_sizes(kw)[1]
     _install(ctx, patcher, "scheduler-block-size", "Scheduler", KeywordPlan(drop=frozenset(drop), override=override))

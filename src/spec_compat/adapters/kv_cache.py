@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
+from ..calls import KeywordPlan, accepts, innermost, required
 from ..options import Context
 from ..patching import Patcher
 from . import speculators_code
@@ -173,5 +173,3 @@ def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
     module = _generator(ctx)
     patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))
 
-
-__all__ = ["CallAdapter"]
