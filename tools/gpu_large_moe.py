@@ -144,8 +144,8 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=f"{installs[args.speculators]}:{os.environ.get('PYTHONPATH', '')}")
     for tp in (1, 2):
         out = str(args.out / f"large_moe_tp{tp}.json")
-        proc = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--cell", str(args.model_dir), str(tp), out],
-                              env=env, capture_output=True, text=True, timeout=280)  # fmt: skip
+        command = [sys.executable, __file__, "--out", str(args.out), "--cell", str(args.model_dir), str(tp), out]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
         (args.out / f"large_moe_tp{tp}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
         summary[f"tp{tp}"] = json.loads(Path(out).read_text()) if proc.returncode == 0 else {"failed": proc.returncode}
     if all("failed" not in summary[f"tp{tp}"] for tp in (1, 2)):
