@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,24 @@ def test_unknown_versions_decide_by_probes(override: str, method: str) -> None:
     assert record["problems"] == [] and "request-kwargs" in record["applied"]
     if override == "not-a-version":
         assert "is not a PEP 440 version" in output
+
+
+def test_batch_larger_than_max_num_seqs() -> None:
+    """speculators keeps prefilled requests running (it never reports outputs to the scheduler):
+    a batch beyond max_num_seqs (32) would leave inputs unscheduled without spec_compat."""
+    from engine_harness import LAYER_IDS
+
+    from tiny_models import hf_layer_outputs
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 24))] for _ in range(40)]
+    record, output = run_cell(Cell("0.4.0.1", "dense", 1), {"prompts": prompts, "chunk_budget": 0})
+    assert record is not None, output
+    assert record["input_ids"] == prompts
+    reference = hf_layer_outputs(model_dir("dense"), prompts, LAYER_IDS)
+    worst = max(
+        float((g - w).abs().max()) / max(1.0, float(w.abs().max()))
+        for got, want in zip(record["results"], reference, strict=True)
+        for g, w in zip(got, want, strict=True)
+    )
+    assert worst <= 1e-3, worst

@@ -339,6 +339,19 @@ ADAPTERS: tuple[Adapter, ...] = (
         speculators="<0.4",
     ),
     Adapter(
+        id="sequence-limit",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.generate (sub-batches of at most max_num_seqs inputs)",
+        why="requests beyond max_num_seqs (32) are never scheduled: 'Request req_0_32 not found in captured "
+        "states' for a batch of 48",
+        vllm_change="none: speculators never calls scheduler.update_from_output, so prefilled requests keep "
+        "their running slot (found on the H200 with a 48-prompt batch)",
+        detect="AST: generate() does not call update_from_output",
+        delete_when="speculators frees finished requests or splits batches itself",
+        probe=generate.probe_sequence_limit,
+        apply=generate.apply_sequence_limit,
+    ),
+    Adapter(
         id="input-order",
         side="driver",
         patches="VllmHiddenStatesGenerator.generate (results back in input order)",

@@ -25,7 +25,9 @@ class VllmHiddenStatesGenerator:
             )
         )
         self.scheduler = SimpleNamespace(
-            max_num_scheduled_tokens=64, scheduler_config=SimpleNamespace(enable_chunked_prefill=True)
+            max_num_scheduled_tokens=64,
+            max_num_running_reqs=32,
+            scheduler_config=SimpleNamespace(enable_chunked_prefill=True),
         )
         self.calls = []
 

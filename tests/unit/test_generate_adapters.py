@@ -49,6 +49,23 @@ def test_results_come_back_in_input_and_layer_order(tmp_path: Path, n: int) -> N
         patcher.revert()
 
 
+def test_batches_beyond_the_sequence_limit_are_split(tmp_path: Path) -> None:
+    module = fake_generator_module(tmp_path)
+    ctx = Context(env=detect(), options=Options(), generator=module)
+    patcher = Patcher()
+    for adapter_id in ["sequence-limit", "input-order", "results-contract"]:
+        assert BY_ID[adapter_id].probe(ctx).applies
+        BY_ID[adapter_id].apply(ctx, patcher)
+    try:
+        generator = module.VllmHiddenStatesGenerator("m", layer_ids=[0])
+        generator.scheduler.max_num_running_reqs = 4
+        results = generator.generate(_batch(11))
+        assert [len(call) for call in generator.calls] == [4, 4, 3]
+        assert [r["input_ids"].tolist() for r in results] == _batch(11)
+    finally:
+        patcher.revert()
+
+
 def test_without_adapters_11_inputs_come_back_permuted(tmp_path: Path) -> None:
     module = fake_generator_module(tmp_path)
     results = module.VllmHiddenStatesGenerator("m", layer_ids=[0]).generate(_batch(11))

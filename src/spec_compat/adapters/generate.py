@@ -228,6 +228,35 @@ def apply_input_order(ctx: Context, patcher: Patcher) -> None:
     _wrap_method(ctx, patcher, "input-order", "generate", make)
 
 
+# ---- batches larger than the scheduler's sequence limit ----------------------------------------------
+# speculators never reports model outputs to the scheduler (no update_from_output), so a request
+# that finished its prefill is never finished: it keeps one of the max_num_seqs (32) running slots
+# and the requests beyond the first max_num_seqs are never scheduled ("Request ... not found").
+
+
+def probe_sequence_limit(ctx: Context) -> Probe:
+    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    if speculators_code.calls_method(generate, "update_from_output"):
+        return Probe(False, "generate() reports outputs to the scheduler, which frees finished requests")
+    return Probe(True, "generate() never frees finished requests: inputs beyond max_num_seqs would never be scheduled")
+
+
+def apply_sequence_limit(ctx: Context, patcher: Patcher) -> None:
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            limit = int(getattr(self.scheduler, "max_num_running_reqs", 0) or len(token_ids))
+            if len(token_ids) <= limit:
+                return original(self, token_ids, *args, **kwargs)
+            results: list[Any] = []
+            for start in range(0, len(token_ids), limit):
+                results.extend(original(self, token_ids[start : start + limit], *args, **kwargs))
+            return results
+
+        return generate
+
+    _wrap_method(ctx, patcher, "sequence-limit", "generate", make)
+
+
 # ---- speculators 0.3.0: one scheduler step per call --------------------------------------------------
 # 0.3.0 aborts every request after its first scheduled chunk and slices one concatenated capture by
 # input offsets. That is right only if every prompt is prefilled whole, in one step, in input
