@@ -86,7 +86,6 @@ def test_batch_larger_than_max_num_seqs() -> None:
     """speculators keeps prefilled requests running (it never reports outputs to the scheduler):
     a batch beyond max_num_seqs (32) would leave inputs unscheduled without spec_compat."""
     from engine_harness import LAYER_IDS
-
     from tiny_models import hf_layer_outputs
 
     rng = random.Random(11)
