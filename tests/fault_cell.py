@@ -106,6 +106,31 @@ def main() -> None:
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     record: dict[str, Any] = {"pids": pids}
     if scenario == "errors":
+        import torch
+
+        bad_inputs = {
+            "empty_batch": [],
+            "empty_sequence": [[5, 6], []],
+            "negative_id": [[5, -1]],
+            "non_integer_id": [[5, 6.0]],
+            "id_beyond_vocab": [[5, 10_000]],
+            "float_tensor": torch.zeros(2, 3),
+            "one_dim_tensor": torch.tensor([5, 6, 7]),
+        }
+        steps_before = len(executor.step_log)
+        record["bad_input"] = {name: _capture(lambda b=bad: generator.generate(b)) for name, bad in bad_inputs.items()}
+        record["bad_input_reached_engine"] = len(executor.step_log) != steps_before
+        long_prompt = [7] * 300  # max_model_len 128: truncated to 127 with a warning, as speculators does
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            truncated = generator.generate([long_prompt])
+        record["long_prompt"] = {
+            "tokens": len(truncated[0]["input_ids"]),
+            "shape": list(truncated[0]["hidden_states"][0].shape),
+            "warned": any("truncated" in str(w.message) for w in caught),
+        }
         record["rpc_empty_rank0"] = _capture(lambda: executor.collective_rpc(raise_on_rank_0))
         executor.collective_rpc(break_get_captured_states_on_rank_1)
         record["speculators_rpc_empty_rank1"] = _capture(lambda: generator.generate(prompts))

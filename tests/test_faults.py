@@ -53,6 +53,18 @@ def test_worker_exceptions_are_loud(tmp_path: Path) -> None:
     _assert_loud(record["speculators_rpc_empty_rank1"], "RuntimeError", 1, "broken")
     assert record["healthy_after"]["raised"] is None, record["healthy_after"]
     _assert_loud(record["forward_error"], "ValueError", 0, "injected failure in decoder layer 1")
+    expected = {
+        "empty_batch": "ValueError",
+        "empty_sequence": "ValueError",
+        "negative_id": "ValueError",
+        "non_integer_id": "TypeError",
+        "id_beyond_vocab": "ValueError",
+        "float_tensor": "TypeError",
+        "one_dim_tensor": "ValueError",
+    }
+    assert {name: outcome["raised"] for name, outcome in record["bad_input"].items()} == expected
+    assert record["bad_input_reached_engine"] is False
+    assert record["long_prompt"] == {"tokens": 127, "shape": [127, 128], "warned": True}
     assert record["orphans"] == []
 
 
