@@ -12,7 +12,6 @@ import gc
 import json
 import sys
 import time
-import traceback
 from typing import Any
 
 
@@ -91,8 +90,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
-        traceback.print_exc()
-        sys.exit(3)
+    from cell_main import run
+
+    run(main)

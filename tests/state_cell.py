@@ -10,7 +10,6 @@ import json
 import random
 import sys
 import time
-import traceback
 from typing import Any
 
 
@@ -70,8 +69,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
-        traceback.print_exc()
-        sys.exit(3)
+    from cell_main import run
+
+    run(main)

@@ -3,10 +3,10 @@ ordering (string-sorted request ids, layers ascending), with no engine behind it
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.unit.source_module import load_source
 
 SOURCE = """
 import torch
@@ -48,12 +48,4 @@ class VllmHiddenStatesGenerator:
 
 
 def fake_generator_module(tmp: Path) -> ModuleType:
-    name = f"fake_generator_class_{len(list(tmp.iterdir()))}"
-    path = tmp / f"{name}.py"
-    path.write_text(SOURCE)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_source(tmp, "fake_generator_class", SOURCE)

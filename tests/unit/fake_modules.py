@@ -4,12 +4,12 @@ source makes the calls speculators 0.3.0 / 0.4.x make (read by the adapters' AST
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from tests.unit.source_module import load_source
 
 
 class Recorder:
@@ -73,14 +73,7 @@ def fake_generator(tmp: Path, speculators: str, shapes: dict[str, str]) -> Modul
         {calls}
         """
     ).format(calls=calls)
-    name = f"fake_generator_{speculators.replace('.', '_')}_{abs(hash(tuple(shapes.values())))}"
-    path = tmp / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    module = load_source(tmp, f"fake_generator_{speculators.replace('.', '_')}", source)
     for callee, params in shapes.items():
         setattr(module, callee, vllm_callable(callee, params))
     return module

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.unit.source_module import load_source
 
 WORKER_03 = """
 import types
@@ -60,12 +60,4 @@ class HiddenStatesWorkerExtension:
 
 
 def fake_worker(tmp: Path, style: str) -> ModuleType:
-    name = f"fake_custom_worker_{style.replace('.', '_')}_{len(list(tmp.iterdir()))}"
-    path = tmp / f"{name}.py"
-    path.write_text(WORKER_03 if style == "0.3" else WORKER_04)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_source(tmp, f"fake_custom_worker_{style.replace('.', '_')}", WORKER_03 if style == "0.3" else WORKER_04)
