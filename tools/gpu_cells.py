@@ -661,8 +661,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    CELL_ENV["VLLM_WORKER_MULTIPROC_METHOD"] = args.mp_method
     for key, value in CELL_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = args.mp_method
     import torch
 
     gpus = 0 if args.cpu_smoke else torch.cuda.device_count()
@@ -747,6 +749,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_cells_out"), help="results folder ($OUT)")
     parser.add_argument("--work", default="/tmp/sc_cells", help="models, references and cell files")
     parser.add_argument("--cells", default="", help="comma-separated fnmatch patterns of cell names")
+    parser.add_argument("--mp-method", choices=["spawn", "fork"], default="spawn", help="vLLM worker start method")
     parser.add_argument("--spec", action="append", default=[], help="VERSION=DIR (also SPEC_COMPAT_SPECULATORS)")
     parser.add_argument("--budget-s", type=float, default=470.0, help="start no cell that would end later")
     parser.add_argument("--cell-timeout", type=float, default=150.0, help="seconds before a cell is killed")
