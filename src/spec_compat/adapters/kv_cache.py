@@ -162,11 +162,11 @@ def probe_device_memory_query(ctx: Context) -> Probe:
     direct = sorted(u for u in uses if u.startswith("torch.cuda."))
     if not direct:
         return Probe(False, "speculators queries device memory through its own helpers")
-    import torch
-
-    if torch.cuda.is_available():
-        return Probe(False, f"speculators calls {direct}; CUDA is available")
-    return Probe(True, f"speculators calls {direct} directly; CUDA is not available here")
+    # Decided from the detected platform: calling torch.cuda.is_available() here would poison a
+    # later fork of the vLLM workers ("Cannot re-initialize CUDA in forked subprocess").
+    if ctx.env.platform in ("cuda", "rocm"):
+        return Probe(False, f"speculators calls {direct}; platform {ctx.env.platform} has them")
+    return Probe(True, f"speculators calls {direct} directly; platform {ctx.env.platform!r} has no CUDA")
 
 
 def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
