@@ -172,4 +172,3 @@ def probe_device_memory_query(ctx: Context) -> Probe:
 def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
     module = _generator(ctx)
     patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))
-
