@@ -14,7 +14,7 @@ from spec_compat.calls import bind_problem, innermost, names_reaching_target
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
-from spec_compat.registry import BY_ID
+from tests.unit.apply_adapters import apply_adapters
 from tests.unit.fake_modules import NEW, OLD, SPEC_CALLS, fake_generator
 
 CALL_ADAPTERS = [
@@ -34,15 +34,7 @@ def _args() -> dict[str, Any]:
 
 
 def _apply(module: Any) -> tuple[Patcher, list[str]]:
-    ctx = Context(env=detect(), options=Options(), generator=module)
-    patcher = Patcher()
-    applied = []
-    for adapter_id in CALL_ADAPTERS:
-        adapter = BY_ID[adapter_id]
-        if adapter.probe(ctx).applies:
-            adapter.apply(ctx, patcher)
-            applied.append(adapter_id)
-    return patcher, applied
+    return apply_adapters(Context(env=detect(), options=Options(), generator=module), CALL_ADAPTERS)
 
 
 def _keywords(call_args: str) -> set[str]:

@@ -14,6 +14,7 @@ from spec_compat.errors import ResultContractError
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
 from spec_compat.registry import BY_ID
+from tests.unit.apply_adapters import apply_adapters
 from tests.unit.fake_generator_class import fake_generator_module
 
 GENERATE_ADAPTERS = ["single-step-batches", "input-order", "layer-ids", "results-contract", "input-validation"]
@@ -21,13 +22,7 @@ GENERATE_ADAPTERS = ["single-step-batches", "input-order", "layer-ids", "results
 
 def _patched(tmp_path: Path) -> tuple[Any, Patcher, list[str]]:
     module = fake_generator_module(tmp_path)
-    ctx = Context(env=detect(), options=Options(), generator=module)
-    patcher = Patcher()
-    applied = []
-    for adapter_id in GENERATE_ADAPTERS:
-        if BY_ID[adapter_id].probe(ctx).applies:
-            BY_ID[adapter_id].apply(ctx, patcher)
-            applied.append(adapter_id)
+    patcher, applied = apply_adapters(Context(env=detect(), options=Options(), generator=module), GENERATE_ADAPTERS)
     return module, patcher, applied
 
 

@@ -12,8 +12,8 @@ import pytest
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
-from spec_compat.registry import BY_ID
 from spec_compat.remote_errors import EncodedWorkerException, decode
+from tests.unit.apply_adapters import apply_adapters
 from tests.unit.fake_worker import fake_worker
 
 WORKER_ADAPTERS = ["capture-gate", "capture-setup", "layer-kwargs", "batch-order-log", "loud-worker-errors"]
@@ -52,13 +52,7 @@ class OldBase(BaseModel):  # vLLM <= 0.11.0
 
 def _worker_with_adapters(tmp_path: Path, style: str) -> tuple[Any, Patcher, list[str]]:
     module = fake_worker(tmp_path, style)
-    ctx = Context(env=detect(), options=Options(), worker=module)
-    patcher = Patcher()
-    applied = []
-    for adapter_id in WORKER_ADAPTERS:
-        if BY_ID[adapter_id].probe(ctx).applies:
-            BY_ID[adapter_id].apply(ctx, patcher)
-            applied.append(adapter_id)
+    patcher, applied = apply_adapters(Context(env=detect(), options=Options(), worker=module), WORKER_ADAPTERS)
     return module, patcher, applied
 
 
