@@ -47,6 +47,12 @@ def _max_rel_diff(got: list[list[Any]], want: list[list[Any]]) -> float:
     return worst
 
 
+def _max_abs_diff(got: list[list[Any]], want: list[list[Any]]) -> float:
+    return max(
+        float((g - w).abs().max()) for gl, wl in zip(got, want, strict=True) for g, w in zip(gl, wl, strict=True)
+    )
+
+
 def _layer_mixup_diff(want: list[list[Any]]) -> float:
     """The metric between two different layers of the reference: what a mix-up would score."""
     return min(
@@ -99,6 +105,7 @@ def test_generator_matches_hf(cell: Cell) -> None:
         cell.name,
         {
             "max_rel_diff": diff,
+            "max_abs_diff": _max_abs_diff(record["results"], reference),
             "chunk_budget_diff": chunk_diff,
             "chunked_prefill_diff": chunked_diff,
             "layer_mixup": mixup,

