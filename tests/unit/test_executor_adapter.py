@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +92,93 @@ def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -
     executor = cls(vllm_config=object())
     assert executor.env_seen == {WORKER_ENV: '{"dtype": null}', "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert WORKER_ENV not in os.environ and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
+    """A queue whose socket holds an undeliverable message: its context's term() would block forever."""
+    import threading
+    from types import SimpleNamespace
+
+    import zmq
+
+    from spec_compat.adapters.executor import close_message_queues
+
+    def queue() -> Any:
+        context = zmq.Context()
+        pending = context.socket(zmq.PUSH)
+        pending.setsockopt(zmq.LINGER, -1)
+        pending.connect("ipc:///tmp/spec-compat-no-such-peer")
+        pending.send(b"never delivered")
+        notify = context.socket(zmq.PUB)
+        return SimpleNamespace(local_socket=pending, _spin_condition=SimpleNamespace(local_notify_socket=notify))
+
+    broadcast, response = queue(), queue()
+    executor = SimpleNamespace(
+        rpc_broadcast_mq=broadcast, response_mqs=[response], workers=[SimpleNamespace(worker_response_mq=response)]
+    )
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (close_message_queues(executor), done.set()), daemon=True)
+    thread.start()
+    assert done.wait(10), "closing the queues blocked"
+    for q in (broadcast, response):
+        assert q.local_socket.closed and q._spin_condition.local_notify_socket.closed
+        assert q.local_socket.context.closed
+    close_message_queues(executor)  # idempotent: a second shutdown finds everything closed
+
+
+def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import spec_compat.adapters.executor as executor_module
+
+    calls: list[Any] = []
+    monkeypatch.setattr(executor_module, "close_message_queues", calls.append)
+
+    class Base:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def shutdown(self) -> str:
+            return "base"
+
+    cls = make_executor_class(Base)
+    instance = cls.__new__(cls)
+    assert instance.shutdown() == "base" and calls == []
+    cls.close_queues_on_shutdown = True
+    try:
+        assert instance.shutdown() == "base" and calls == [instance]
+    finally:
+        cls.close_queues_on_shutdown = False
+
+
+@pytest.mark.parametrize(
+    ("method", "cuda_initialised", "expected"),
+    [
+        (None, True, {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),  # vLLM's default is fork
+        ("fork", True, {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
+        ("fork", False, {}),
+        ("spawn", True, {}),
+    ],
+)
+def test_fork_falls_back_to_spawn_only_after_cuda_init(
+    monkeypatch: pytest.MonkeyPatch, method: str | None, cuda_initialised: bool, expected: dict[str, str]
+) -> None:
+    import spec_compat.adapters.executor as executor_module
+
+    if method is None:
+        monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", method)
+    monkeypatch.setattr(executor_module, "cuda_driver_initialized", lambda: cuda_initialised)
+    assert executor_module._start_method_env() == expected
+
+
+def test_cuda_driver_check_loads_nothing() -> None:
+    """On a machine without a loaded libcuda the check answers False and does not load it."""
+    from spec_compat.adapters.executor import cuda_driver_initialized
+
+    maps_file = Path("/proc/self/maps")
+    maps = maps_file.read_text() if maps_file.exists() else ""
+    if "libcuda.so" in maps:
+        pytest.skip("libcuda is loaded in this process")
+    assert cuda_driver_initialized() is False
+    after = maps_file.read_text() if maps else ""
+    assert "libcuda.so" not in after

@@ -7,8 +7,11 @@ adapter (a class attribute the adapter sets, so revert() switches it off again).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
 import signal
+import sys
 import time
 import weakref
 from collections.abc import Iterator
@@ -24,6 +27,9 @@ from .probe import Probe
 
 PLUGIN_NAME = "spec_compat"
 DRAIN_TIMEOUT_S = 60.0
+MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+CUDA_SUCCESS = 0
+logger = logging.getLogger("spec_compat.executor")
 _EXECUTORS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _SUBCLASSES: dict[type, type] = {}
 
@@ -44,6 +50,44 @@ def _scoped_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether the CUDA driver was initialised (``cuInit``) in this process, asking it nothing else.
+
+    vLLM switches its workers from fork to spawn only when ``torch.cuda.is_initialized()``; but
+    ``torch.cuda.is_available()`` (``cudaGetDeviceCount``) runs ``cuInit`` and arms torch's fork
+    check while leaving that False, and a worker forked afterwards fails with "Cannot re-initialize
+    CUDA in forked subprocess" (seen on 2 x H200, docs/gpu/run3_fork_fallback.txt). ``import vllm``
+    sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which makes later calls harmless, so this happens when
+    something calls it before vLLM is imported: user code, or ``import speculators`` ahead of
+    ``spec_compat.apply()`` (speculators 0.4.x calls it at import, in
+    ``speculators.models.eagle3.core.conditional_torch_compile``). Checked without loading or
+    initialising anything: libcuda is looked up only if already loaded (``RTLD_NOLOAD``), and
+    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` has run."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        count = ctypes.c_int(0)
+        return bool(libcuda.cuDeviceGetCount(ctypes.byref(count)) == CUDA_SUCCESS)
+    except (OSError, AttributeError):  # not loaded in this process (or no such symbol): not initialised
+        return False
+
+
+def _start_method_env() -> dict[str, str]:
+    """``{VLLM_WORKER_MULTIPROC_METHOD: "spawn"}`` when the workers would be forked from a process
+    whose CUDA driver is initialised (see ``cuda_driver_initialized``): the same switch vLLM's
+    ``_maybe_force_spawn`` makes when torch reports CUDA initialised, for the case it cannot see."""
+    if os.environ.get(MP_METHOD_ENV, "fork") == "spawn" or not cuda_driver_initialized():
+        return {}
+    logger.warning(
+        "spec_compat: the CUDA driver is already initialised in this process (torch.cuda.is_available() "
+        "called before vLLM was imported?), so forked vLLM workers could not use CUDA; starting them with "
+        "spawn instead of fork (to keep fork, import vllm or call spec_compat.apply() first, or set "
+        "PYTORCH_NVML_BASED_CUDA_CHECK=1)"
+    )
+    return {MP_METHOD_ENV: "spawn"}
 
 
 _ORIGINAL_WORKER_MAIN: Any = None
@@ -118,6 +162,39 @@ def dead_worker_error(executor: Any, method: Any, wait_s: float = 2.0) -> Worker
     )
 
 
+def _zmq_contexts(queue: Any) -> list[Any]:
+    """The zmq contexts of a vLLM MessageQueue's sockets (its own, and its spin condition's)."""
+    import zmq
+
+    contexts: list[Any] = []
+    holders = [queue, *(v for v in vars(queue).values() if hasattr(v, "__dict__") and not isinstance(v, type))]
+    for holder in holders:
+        for value in vars(holder).values():
+            if isinstance(value, zmq.Socket) and value.context not in contexts:
+                contexts.append(value.context)
+    return contexts
+
+
+def close_message_queues(executor: Any) -> None:
+    """Close the executor's message-queue sockets without lingering, then terminate their contexts.
+
+    Each vLLM MessageQueue creates its own zmq context and (before vLLM closed them itself) left
+    it to the garbage collector; pyzmq's Context.__del__ then blocks forever in term() when the
+    context and its sockets are collected in the same cycle. The driver hangs after the work is
+    done (seen with vLLM 0.29 at the first gc.collect() after shutdown).
+    """
+    queues = [getattr(executor, "rpc_broadcast_mq", None), *(getattr(executor, "response_mqs", None) or [])]
+    queues += [getattr(handle, "worker_response_mq", None) for handle in getattr(executor, "workers", None) or []]
+    seen: list[Any] = []
+    for queue in queues:
+        if queue is None or any(queue is q for q in seen):
+            continue
+        seen.append(queue)
+        for context in _zmq_contexts(queue):
+            if not context.closed:
+                context.destroy(linger=0)
+
+
 def make_executor_class(base: type) -> type:
     """A subclass of vLLM's MultiprocExecutor with switchable compatibility behaviour."""
     if base in _SUBCLASSES:
@@ -132,6 +209,7 @@ def make_executor_class(base: type) -> type:
         sample_after_execute = False  # caller never calls sample_tokens()
         resolve_kv_layout = False  # resolve the KV cache layout as the engine core does
         force_v1_model_runner = False  # speculators 0.4 reads model_runner.input_batch
+        close_queues_on_shutdown = False  # vLLM leaves its message queues' zmq contexts to the GC
 
         def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
             self.step_log: list[list[tuple[str, int]]] = []
@@ -143,6 +221,9 @@ def make_executor_class(base: type) -> type:
                     env["VLLM_PLUGINS"] = f"{plugins},{PLUGIN_NAME}" if plugins else PLUGIN_NAME
             if self.force_v1_model_runner and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # Workers are started inside super().__init__(): fork only from a process whose CUDA
+            # driver is still uninitialised (scoped like the rest: a later executor checks again).
+            env.update(_start_method_env())
             entry_point = _worker_entry_point() if self.worker_options_json is not None else contextlib.nullcontext()
             with _scoped_environ(env), entry_point:
                 super().__init__(vllm_config, *args, **kwargs)
@@ -193,6 +274,13 @@ def make_executor_class(base: type) -> type:
                         "spec_compat: a worker failed and the other workers' replies could not be drained; "
                         "this executor cannot be used further"
                     ) from exc
+
+        def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().shutdown(*args, **kwargs)
+            finally:
+                if self.close_queues_on_shutdown:
+                    close_message_queues(self)
 
         def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self.step_log.append([(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()])
@@ -338,3 +426,30 @@ def probe_v1_model_runner(ctx: Context) -> Probe:
 
 def apply_v1_model_runner(ctx: Context, patcher: Patcher) -> None:
     _set_flag(ctx, patcher, "model-runner-v1", "force_v1_model_runner", True)
+
+
+# ---- message-queue zmq contexts left to the garbage collector ---------------------------------------
+
+
+def probe_close_queues(ctx: Context) -> Probe:
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if any("linger=0" in line for line in _source_lines(shm_broadcast)):
+        return Probe(False, "vLLM closes its message queues' zmq sockets itself (linger=0)")
+    return Probe(
+        True,
+        "vLLM leaves each message queue's zmq context to the GC, where Context.__del__ can block forever in term()",
+    )
+
+
+def _source_lines(module: Any) -> list[str]:
+    import inspect
+
+    try:
+        return inspect.getsource(module).splitlines()
+    except (OSError, TypeError):
+        return []
+
+
+def apply_close_queues(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "executor-close-queues", "close_queues_on_shutdown", True)
