@@ -101,7 +101,7 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
     import zmq
 
-    from spec_compat.adapters.executor import close_message_queues
+    from spec_compat.adapters.executor import close_message_queues, message_queues
 
     def queue() -> Any:
         context = zmq.Context()
@@ -117,13 +117,15 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
         rpc_broadcast_mq=broadcast, response_mqs=[response], workers=[SimpleNamespace(worker_response_mq=response)]
     )
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (close_message_queues(executor), done.set()), daemon=True)
+    queues = message_queues(executor)
+    assert queues == [broadcast, response]
+    thread = threading.Thread(target=lambda: (close_message_queues(queues), done.set()), daemon=True)
     thread.start()
     assert done.wait(10), "closing the queues blocked"
     for q in (broadcast, response):
         assert q.local_socket.closed and q._spin_condition.local_notify_socket.closed
         assert q.local_socket.context.closed
-    close_message_queues(executor)  # idempotent: a second shutdown finds everything closed
+    close_message_queues(queues)  # idempotent: a second shutdown finds everything closed
 
 
 def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,20 +133,24 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
 
     calls: list[Any] = []
     monkeypatch.setattr(executor_module, "close_message_queues", calls.append)
+    queue = object()
 
     class Base:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
 
         def shutdown(self) -> str:
+            self.rpc_broadcast_mq = None  # as vLLM does: the queues are gone after shutdown()
             return "base"
 
     cls = make_executor_class(Base)
     instance = cls.__new__(cls)
-    assert instance.shutdown() == "base" and calls == []
+    instance.rpc_broadcast_mq = queue
+    assert instance.shutdown() == "base" and calls == [[]]
+    instance.rpc_broadcast_mq = queue
     cls.close_queues_on_shutdown = True
     try:
-        assert instance.shutdown() == "base" and calls == [instance]
+        assert instance.shutdown() == "base" and calls == [[], [queue]]
     finally:
         cls.close_queues_on_shutdown = False
 

@@ -175,21 +175,28 @@ def _zmq_contexts(queue: Any) -> list[Any]:
     return contexts
 
 
-def close_message_queues(executor: Any) -> None:
-    """Close the executor's message-queue sockets without lingering, then terminate their contexts.
+def message_queues(executor: Any) -> list[Any]:
+    """The executor's vLLM MessageQueues: the broadcast queue and every worker's response queues."""
+    queues = [getattr(executor, "rpc_broadcast_mq", None), *(getattr(executor, "response_mqs", None) or [])]
+    for handle in getattr(executor, "workers", None) or []:
+        queues.append(getattr(handle, "worker_response_mq", None))
+        queues.extend(getattr(handle, "peer_worker_response_mqs", None) or [])
+    unique: list[Any] = []
+    for queue in queues:
+        if queue is not None and not any(queue is q for q in unique):
+            unique.append(queue)
+    return unique
+
+
+def close_message_queues(queues: list[Any]) -> None:
+    """Close message-queue sockets without lingering, then terminate their contexts.
 
     Each vLLM MessageQueue creates its own zmq context and (before vLLM closed them itself) left
     it to the garbage collector; pyzmq's Context.__del__ then blocks forever in term() when the
     context and its sockets are collected in the same cycle. The driver hangs after the work is
     done (seen with vLLM 0.29 at the first gc.collect() after shutdown).
     """
-    queues = [getattr(executor, "rpc_broadcast_mq", None), *(getattr(executor, "response_mqs", None) or [])]
-    queues += [getattr(handle, "worker_response_mq", None) for handle in getattr(executor, "workers", None) or []]
-    seen: list[Any] = []
     for queue in queues:
-        if queue is None or any(queue is q for q in seen):
-            continue
-        seen.append(queue)
         for context in _zmq_contexts(queue):
             if not context.closed:
                 context.destroy(linger=0)
@@ -276,11 +283,12 @@ def make_executor_class(base: type) -> type:
                     ) from exc
 
         def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+            # Collected first: vLLM's shutdown() drops its references to the queues (sets them to None).
+            queues = message_queues(self) if self.close_queues_on_shutdown else []
             try:
                 return super().shutdown(*args, **kwargs)
             finally:
-                if self.close_queues_on_shutdown:
-                    close_message_queues(self)
+                close_message_queues(queues)
 
         def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self.step_log.append([(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()])
