@@ -188,3 +188,91 @@ def test_cuda_driver_check_loads_nothing() -> None:
     assert cuda_driver_initialized() is False
     after = maps_file.read_text() if maps else ""
     assert "libcuda.so" not in after
+
+
+def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None:
+    from spec_compat.adapters.executor import ReadOnceReply
+
+    reply = ReadOnceReply({"req_0": [1], "req_1": [2]})
+    assert "req_0" in reply and len(reply) == 2 and sorted(reply.keys()) == ["req_0", "req_1"]
+    assert reply["req_0"] == [1]
+    assert "req_0" not in reply and len(reply) == 1  # released: the driver no longer holds it
+    with pytest.raises(KeyError, match="already read and released"):
+        reply["req_0"]
+    with pytest.raises(KeyError, match="req_9"):
+        reply["req_9"]
+
+
+def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
+    from spec_compat.adapters.executor import ReadOnceReply
+
+    class Base:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+            return {"dict": {"a": 1}, "list": [1, 2]}[kwargs.get("kind", "dict")]
+
+    cls = make_executor_class(Base)
+    instance = cls.__new__(cls)
+    cls.extension_methods = frozenset({"_get_captured_states"})
+    cls.read_once_replies = True
+    try:
+        assert type(instance.collective_rpc("_get_captured_states", unique_reply_rank=0)) is ReadOnceReply
+        assert type(instance.collective_rpc("_get_captured_states", unique_reply_rank=0, kind="list")) is list
+        assert type(instance.collective_rpc("_get_captured_states")) is dict  # every rank's reply: untouched
+        assert type(instance.collective_rpc("get_kv_cache_spec", unique_reply_rank=0)) is dict  # vLLM's own RPC
+    finally:
+        cls.read_once_replies = False
+        cls.extension_methods = frozenset()
+
+
+READ_ONCE_SOURCES = {
+    # speculators 0.4.x shape: one keyed read inside the loop over request ids
+    "keyed_in_loop": (
+        "def generate(self, ids):\n"
+        "    states = self.executor.collective_rpc('_get_captured_states', unique_reply_rank=0)\n"
+        "    if not states:\n        raise RuntimeError\n"
+        "    out = []\n"
+        "    for req_id in sorted(ids):\n"
+        "        if req_id not in states:\n            raise RuntimeError(list(states.keys()))\n"
+        "        out.append([h.clone() for h in states[req_id]])\n"
+        "    return out\n",
+        True,
+    ),
+    # speculators 0.3.0 shape: constant index, then slices of the same tensors
+    "constant_index": (
+        "def generate(self, ids):\n"
+        "    states = self.executor.collective_rpc('_get_captured_states', unique_reply_rank=0)\n"
+        "    layers = states[0]\n"
+        "    return [[h[0:1].clone() for h in layers] for _ in ids]\n",
+        False,
+    ),
+    "read_twice": (
+        "def generate(self, ids):\n"
+        "    states = self.executor.collective_rpc('_get_captured_states', unique_reply_rank=0)\n"
+        "    for req_id in ids:\n        print(states[req_id])\n"
+        "    return [states[req_id] for req_id in ids]\n",
+        False,
+    ),
+    "outside_loop": (
+        "def generate(self, ids):\n"
+        "    states = self.executor.collective_rpc('_get_captured_states', unique_reply_rank=0)\n"
+        "    key = ids[0]\n"
+        "    return states[key]\n",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(READ_ONCE_SOURCES))
+def test_read_once_probe_reads_the_generator_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    import importlib
+
+    from spec_compat.adapters import speculators_code
+
+    source, expected = READ_ONCE_SOURCES[name]
+    (tmp_path / f"read_once_{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(f"read_once_{name}")
+    assert speculators_code.reads_unique_reply_once_per_key(module.generate) is expected

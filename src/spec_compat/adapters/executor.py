@@ -175,6 +175,31 @@ def _zmq_contexts(queue: Any) -> list[Any]:
     return contexts
 
 
+class ReadOnceReply(dict):  # type: ignore[type-arg]
+    """A reply mapping whose entries are released when read: ``reply[key]`` removes the entry.
+
+    speculators 0.4.x clones every tensor of ``reply[req_id]`` in a loop while the whole reply stays
+    referenced until generate() returns, so the driver holds two copies of everything at the end.
+    Releasing each entry after its only read keeps about one. A second read of the same key raises.
+    """
+
+    __slots__ = ("released",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released: set[Any] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in self.released:
+            raise KeyError(
+                f"spec_compat: reply entry {key!r} was already read and released (adapter 'rpc-reply-read-once'; "
+                "disable it if this code reads an entry twice)"
+            )
+        value = self.pop(key)
+        self.released.add(key)
+        return value
+
+
 def message_queues(executor: Any) -> list[Any]:
     """The executor's vLLM MessageQueues: the broadcast queue and every worker's response queues."""
     queues = [getattr(executor, "rpc_broadcast_mq", None), *(getattr(executor, "response_mqs", None) or [])]
@@ -217,6 +242,7 @@ def make_executor_class(base: type) -> type:
         resolve_kv_layout = False  # resolve the KV cache layout as the engine core does
         force_v1_model_runner = False  # speculators 0.4 reads model_runner.input_batch
         close_queues_on_shutdown = False  # vLLM leaves its message queues' zmq contexts to the GC
+        read_once_replies = False  # a dict reply gives each entry up when it is read (driver memory)
 
         def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
             self.step_log: list[list[tuple[str, int]]] = []
@@ -265,6 +291,8 @@ def make_executor_class(base: type) -> type:
             if speculators_rpc and reply_rank is not None:
                 if self.all_ranks_reply and kwargs.get("non_block") is not True:
                     result = result[reply_rank]
+                if self.read_once_replies and type(result) is dict:
+                    result = ReadOnceReply(result)
                 if self.reply_as_list:
                     result = [result]
             return result
@@ -461,3 +489,21 @@ def _source_lines(module: Any) -> list[str]:
 
 def apply_close_queues(ctx: Context, patcher: Patcher) -> None:
     _set_flag(ctx, patcher, "executor-close-queues", "close_queues_on_shutdown", True)
+
+
+# ---- driver memory: the reply stays referenced while speculators clones it --------------------------
+
+
+def probe_read_once_reply(ctx: Context) -> Probe:
+    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    if not speculators_code.reads_unique_reply_once_per_key(generate):
+        return Probe(False, "speculators does not read the captured-states reply once per key in a loop")
+    return Probe(
+        True,
+        "speculators copies each reply entry (clone) while the whole reply stays referenced: ~2x the returned "
+        "bytes in the driver; each entry is released after its read",
+    )
+
+
+def apply_read_once_reply(ctx: Context, patcher: Patcher) -> None:
+    _set_flag(ctx, patcher, "rpc-reply-read-once", "read_once_replies", True)

@@ -65,13 +65,8 @@ def calls_method(fn: Callable[..., Any], method: str) -> bool:
     )
 
 
-def indexes_unique_reply(fn: Callable[..., Any]) -> bool:
-    """Does ``fn`` subscript the result of ``collective_rpc(..., unique_reply_rank=...)``?
-
-    speculators 0.3.0 does (``captured_states_list[0]``: vLLM <= 0.11.0 returned a one-element
-    list); 0.4.x uses the value itself (vLLM >= 0.11.2 returns the bare rank result).
-    """
-    tree = _tree_of(fn)
+def _unique_reply_names(tree: ast.AST) -> set[str]:
+    """Names bound to the result of ``collective_rpc(..., unique_reply_rank=...)``."""
     targets: set[str] = set()
     for node in ast.walk(tree):
         if (
@@ -82,6 +77,38 @@ def indexes_unique_reply(fn: Callable[..., Any]) -> bool:
             and any(k.arg == "unique_reply_rank" for k in node.value.keywords)
         ):
             targets.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return targets
+
+
+def reads_unique_reply_once_per_key(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` read the unique reply by key at exactly one place, inside a for loop?
+
+    speculators 0.4.x: ``for req_id in sorted(...): ... request_states_dict[req_id]`` (then
+    ``.clone()`` of each tensor). Any other use of the reply (``in``, ``len``, ``keys()``) is fine.
+    """
+    tree = _tree_of(fn)
+    targets = _unique_reply_names(tree)
+    reads = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in targets
+    ]
+    if len(reads) != 1 or isinstance(reads[0].slice, ast.Constant) or not isinstance(reads[0].ctx, ast.Load):
+        return False
+    return any(
+        isinstance(loop, ast.For) and any(node is reads[0] for statement in loop.body for node in ast.walk(statement))
+        for loop in ast.walk(tree)
+    )
+
+
+def indexes_unique_reply(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` subscript the result of ``collective_rpc(..., unique_reply_rank=...)``?
+
+    speculators 0.3.0 does (``captured_states_list[0]``: vLLM <= 0.11.0 returned a one-element
+    list); 0.4.x uses the value itself (vLLM >= 0.11.2 returns the bare rank result).
+    """
+    tree = _tree_of(fn)
+    targets = _unique_reply_names(tree)
     return any(
         isinstance(node, ast.Subscript)
         and isinstance(node.value, ast.Name)
