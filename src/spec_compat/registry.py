@@ -309,6 +309,19 @@ ADAPTERS: tuple[Adapter, ...] = (
         apply=executor.apply_read_once_reply,
     ),
     Adapter(
+        id="worker-malloc-retain",
+        side="driver",
+        patches="environment of the worker processes spec_compat's executor starts (MALLOC_MMAP_THRESHOLD_, "
+        "MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; each only if unset)",
+        why="throughput on CPU MoE TP=2 was 0.8x vLLM's own LLM.generate: page faults after glibc returns the "
+        "capture copies' memory to the kernel (benchmarks #5, docs/benchmarks.md section 3)",
+        vllm_change="none: speculators' worker-side capture copies on the CPU platform",
+        detect="platform is cpu (captures in host memory) and the variables are not all set by the user",
+        delete_when="speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc",
+        probe=executor.probe_worker_malloc,
+        apply=executor.apply_worker_malloc,
+    ),
+    Adapter(
         id="kv-config-signature",
         side="driver",
         patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword kv_cache_specs)",

@@ -23,6 +23,7 @@ class FakeExecutor:
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
         self.env_seen = {k: os.environ.get(k) for k in (WORKER_ENV, "VLLM_USE_V2_MODEL_RUNNER")}
+        self.malloc_seen = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
 
     def collective_rpc(
         self,
@@ -92,6 +93,19 @@ def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -
     executor = cls(vllm_config=object())
     assert executor.env_seen == {WORKER_ENV: '{"dtype": null}', "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert WORKER_ENV not in os.environ and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_worker_malloc_env_scoped_and_user_values_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spec_compat.adapters.executor import WORKER_MALLOC_ENV
+
+    for key, _ in WORKER_MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "12345")  # the user's choice wins
+    cls = _subclass(type("BaseMalloc", (FakeExecutor,), {}), worker_malloc_env=WORKER_MALLOC_ENV)
+    executor = cls(vllm_config=object())
+    expected = {key: value for key, value in WORKER_MALLOC_ENV} | {"MALLOC_TOP_PAD_": "12345"}
+    assert executor.malloc_seen == expected
+    assert {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} == {"MALLOC_TOP_PAD_": "12345"}
 
 
 def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
