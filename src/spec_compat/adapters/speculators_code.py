@@ -42,6 +42,15 @@ def attribute_names_used(fn: Callable[..., Any]) -> set[str]:
     return {node.attr for node in ast.walk(_tree_of(fn)) if isinstance(node, ast.Attribute)}
 
 
+def called_names(fn: Callable[..., Any]) -> set[str]:
+    """Bare names called in ``fn`` (``mem_get_info()``), i.e. module-level functions it uses."""
+    return {
+        node.func.id
+        for node in ast.walk(_tree_of(fn))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+
+
 def dotted_uses(fn: Callable[..., Any]) -> set[str]:
     """Dotted names such as ``torch.cuda.mem_get_info`` appearing in ``fn``."""
     found: set[str] = set()
