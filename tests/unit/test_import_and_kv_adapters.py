@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -204,3 +205,48 @@ def test_options_validate_dtype() -> None:
     with pytest.raises(ValueError, match="dtype"):
         Options(dtype="fp8")
     assert CallAdapter("x", dict, KeywordPlan(drop=frozenset({"a"})))(a=1, b=2) == {"b": 2}
+
+
+DEVICE_MEMORY_HELPER_SOURCE = """
+def mem_get_info():
+    raise RuntimeError("Found no NVIDIA driver on your system")
+
+
+def empty_cache():
+    raise RuntimeError("Found no NVIDIA driver on your system")
+
+
+class VllmHiddenStatesGenerator:
+    def __init__(self):
+        self.free, _ = mem_get_info()
+
+    def generate(self, token_ids):
+        empty_cache()
+        return token_ids
+"""
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_device_memory_helpers_answer_no_memory_on_cpu(tmp_path: Path, platform: str) -> None:
+    """speculators 0.4.x's helpers ask torch.accelerator, which says 'cuda' for a CUDA torch build
+    even on a machine without a GPU; on the CPU platform the generator's names are replaced."""
+    from dataclasses import replace
+
+    from tests.unit.source_module import load_source
+
+    module = load_source(tmp_path, "device_memory_generator", DEVICE_MEMORY_HELPER_SOURCE)
+    env = replace(detect(), platform=platform)
+    ctx = Context(env=env, options=Options(), generator=module)
+    probe = kv_cache.probe_device_memory_query(ctx)
+    assert probe.applies is (platform == "cpu"), probe.reason
+    if not probe.applies:
+        return
+    assert "mem_get_info" in probe.reason and "empty_cache" in probe.reason
+    patcher = Patcher()
+    kv_cache.apply_device_memory_query(ctx, patcher)
+    generator = module.VllmHiddenStatesGenerator()
+    assert generator.free == 0 and generator.generate([1]) == [1]
+    assert not isinstance(module.torch if hasattr(module, "torch") else None, kv_cache._TorchProxy)
+    patcher.revert()
+    with pytest.raises(RuntimeError, match="NVIDIA driver"):
+        module.VllmHiddenStatesGenerator()
