@@ -115,3 +115,18 @@ def test_generated_block_replaces_only_its_own_text(tmp_path: Path) -> None:
     page.write_text(f"intro\n{matrix_table.BEGIN}\nold table\n{matrix_table.END}\noutro\n")
     matrix_table._replace_block(page, "new table")
     assert page.read_text() == f"intro\n{matrix_table.BEGIN}\nnew table\n{matrix_table.END}\noutro\n"
+
+
+def test_release_limits_are_not_counted_as_failures() -> None:
+    record = _record("vllm-0.22.1", "0.3.0", "pass")
+    record["run"]["tests"].append(
+        {
+            "cell": "spec0.3.0-deepseek_v3-tp2-spawn",
+            "status": "fail",
+            "seconds": 9.0,
+            "detail": "NotImplementedError: MLA is not supported on CPU.",
+        }
+    )
+    readme = matrix_table.readme_table([record])
+    assert "works (1/1 engine cells); n/a: MLA+MoE TP2: this vLLM has no MLA attention on CPU" in readme
+    assert "MLA+MoE TP2 n/a" in matrix_table.markdown([record])
