@@ -9,7 +9,7 @@
     nox -s matrix_table                            # docs/compatibility.{md,json} and README's table
 
 Each matrix session provisions its own environment through tools/matrix.py (a venv per torch pin,
-re-targeted to the session's vLLM release; pip's download cache is shared) and prints the
+re-targeted to the session's vLLM release, so each torch is downloaded once) and prints the
 resolved versions before running the real-engine suite from tests/.
 """
 
@@ -37,8 +37,8 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
-@nox.parametrize("vllm", [nox.param(v, id=f"vllm-{v}") for v in RELEASES])
 @nox.parametrize("speculators", [nox.param(s, id=f"spec-{s}") for s in SPECULATORS_VERSIONS])
+@nox.parametrize("vllm", [nox.param(v, id=f"vllm-{v}") for v in RELEASES])
 def matrix(session: nox.Session, vllm: str, speculators: str) -> None:
     session.run(
         "python3",

