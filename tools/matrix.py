@@ -483,6 +483,36 @@ def run_engine_tests(
     }
 
 
+def check_vllm_alone(venv: Path, extra_env: dict[str, str], tests: list[dict[str, Any]]) -> dict[str, Any]:
+    """For families whose hidden states differ from HF: do vLLM's own prompt log-probs differ too?"""
+    families = sorted(
+        {t["cell"].split("-")[1] for t in tests if t["status"] == "fail" and "relative diff" in t.get("detail", "")}
+    )
+    if not families:
+        return {}
+    transformers_major = resolved_versions(venv, extra_env)["transformers"].split(".")[0]
+    results: dict[str, Any] = {}
+    for family in families:
+        model = MATRIX_HOME / f"tests-transformers{transformers_major}" / "models" / family
+        out = MATRIX_HOME / "llm_check.json"
+        out.unlink(missing_ok=True)
+        env = {**os.environ, **extra_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        proc = subprocess.run(
+            [str(venv_python(venv)), str(REPO / "tools" / "matrix_llm_check.py"), str(model), "--out", str(out)],
+            env=env,
+            cwd=REPO,
+            text=True,
+            capture_output=True,
+            timeout=900,
+        )
+        if out.exists():
+            results[family] = json.loads(out.read_text())
+        else:
+            results[family] = {"error": key_error(proc.stdout + proc.stderr) or "check failed"}
+        log(f"vLLM alone vs HF, {family}: {results[family]}")
+    return results
+
+
 def disk_usage(path: Path) -> int:
     out = run(["du", "-sb", str(path)], capture_output=True)
     return int(out.stdout.split()[0])
@@ -550,6 +580,7 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.kind == "run":
         record["run"] = run_engine_tests(venv, speculators, extra_env, label, args.select or RUN_SELECTION)
+        record["run"]["vllm_alone"] = check_vllm_alone(venv, extra_env, record["run"]["tests"])
         for row in record["run"]["tests"]:
             log(f"{label}: {row['cell']}: {row['status']} {row.get('max_rel_diff', '')} ({row['seconds']} s)")
     record["wall_s"] = round(time.perf_counter() - started, 1)

@@ -53,7 +53,11 @@ UPSTREAM_LIMITS = {
 }
 
 
-def outcome(row: dict[str, Any]) -> tuple[str, str]:
+# vLLM's own prompt log-probs further than this from HF's: the release itself computes differently.
+VLLM_ALONE_TOLERANCE = 1e-2
+
+
+def outcome(row: dict[str, Any], vllm_alone: dict[str, Any] | None = None) -> tuple[str, str]:
     """("pass" | "n/a" | "fail" | "skip", reason)."""
     if row["status"] != "fail":
         return row["status"], row.get("detail", "")
@@ -61,6 +65,13 @@ def outcome(row: dict[str, Any]) -> tuple[str, str]:
     for needle, reason in UPSTREAM_LIMITS.items():
         if needle in detail or needle in row.get("tail", ""):
             return "n/a", reason
+    family = row["cell"].split("-")[1] if "-" in row["cell"] else ""
+    alone = (vllm_alone or {}).get(family, {})
+    if alone.get("max_abs_logprob_diff", 0.0) > VLLM_ALONE_TOLERANCE:
+        return "fail", (
+            f"{detail}; vLLM's own LLM.generate disagrees with HF too (max |Δ logprob| "
+            f"{alone['max_abs_logprob_diff']:.2g}): the release computes differently on this machine"
+        )
     return "fail", detail
 
 
@@ -85,7 +96,7 @@ def verdict(record: dict[str, Any], speculators: str) -> str:
     if pre.get("error") and pre["verdict"] != "compatible":
         parts.append(str(pre["error"]).splitlines()[0][:160])
     for row in _run_rows(record, speculators):
-        status, reason = outcome(row)
+        status, reason = outcome(row, record.get("run", {}).get("vllm_alone"))
         if status == "pass":
             parts.append(
                 f"{_family(row['cell'])} pass, rel {row.get('max_rel_diff', float('nan')):.1e}"
@@ -94,7 +105,7 @@ def verdict(record: dict[str, Any], speculators: str) -> str:
         elif status == "n/a":
             parts.append(f"{_family(row['cell'])} n/a: {reason}")
         else:
-            parts.append(f"{_family(row['cell'])} **{status}**: {reason.splitlines()[0][:200] if reason else ''}")
+            parts.append(f"{_family(row['cell'])} **{status}**: {reason.splitlines()[0][:400] if reason else ''}")
     return "<br>".join(parts)
 
 
@@ -146,13 +157,15 @@ def readme_table(records: list[dict[str, Any]]) -> str:
             pre = r.get("preflight", {}).get(s, {})
             runs = _run_rows(r, s)
             if runs:
-                outcomes = [outcome(t) for t in runs]
+                outcomes = [outcome(t, r.get("run", {}).get("vllm_alone")) for t in runs]
                 passed = sum(o == "pass" for o, _ in outcomes)
                 runnable = sum(o != "n/a" for o, _ in outcomes)
                 limits = sorted(
                     {f"{_family(t['cell'])}: {r}" for t, (o, r) in zip(runs, outcomes, strict=True) if o == "n/a"}
                 )
                 text = f"{'works' if passed == runnable else 'FAILS'} ({passed}/{runnable} engine cells)"
+                upstream = any("disagrees with HF too" in r for o, r in outcomes if o == "fail")
+                text += "; vLLM's own LLM.generate disagrees with HF too" if upstream else ""
                 cells.append(text + (f"; n/a: {'; '.join(limits)}" if limits else ""))
             else:
                 cells.append("preflight ok" if pre.get("verdict") == "compatible" else f"{pre.get('verdict')}")

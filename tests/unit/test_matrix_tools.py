@@ -130,3 +130,15 @@ def test_release_limits_are_not_counted_as_failures() -> None:
     readme = matrix_table.readme_table([record])
     assert "works (1/1 engine cells); n/a: MLA+MoE TP2: this vLLM has no MLA attention on CPU" in readme
     assert "MLA+MoE TP2 n/a" in matrix_table.markdown([record])
+
+
+def test_mismatch_where_vllm_alone_disagrees_with_hf_says_so() -> None:
+    record = _record("vllm-0.12.0", "0.4.0.1", "fail")
+    record["run"]["tests"][0]["detail"] = "AssertionError: max relative diff vs HF 1.499e+00 > 0.001"
+    assert "disagrees" not in matrix_table.readme_table([record])  # no evidence: a plain failure
+    record["run"]["vllm_alone"] = {"dense": {"max_abs_logprob_diff": 5.5}}
+    assert "FAILS (0/1 engine cells); vLLM's own LLM.generate disagrees with HF too" in matrix_table.readme_table(
+        [record]
+    )
+    record["run"]["vllm_alone"] = {"dense": {"max_abs_logprob_diff": 7e-6}}  # vLLM agrees: the shim's failure
+    assert "disagrees" not in matrix_table.markdown([record])
