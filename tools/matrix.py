@@ -50,7 +50,7 @@ SPECULATORS_VERSIONS = ["0.4.0.1", "0.3.0"]
 RELEASES: dict[str, str] = {
     "0.11.2": "run",
     "0.12.0": "run",
-    "0.13.0": "preflight",
+    "0.13.0": "run",
     "0.14.1": "preflight",
     "0.15.1": "preflight",
     "0.16.0": "run",
