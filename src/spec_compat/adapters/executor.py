@@ -6,6 +6,7 @@ adapter (a class attribute the adapter sets, so revert() switches it off again).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import logging
@@ -469,24 +470,26 @@ def apply_v1_model_runner(ctx: Context, patcher: Patcher) -> None:
 # ---- message-queue zmq contexts left to the garbage collector ---------------------------------------
 
 
+def _closes_sockets_without_linger(tree: ast.AST) -> bool:
+    """Does the module call ``<socket>.close(linger=0)`` anywhere?"""
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "close"
+        and any(k.arg == "linger" and isinstance(k.value, ast.Constant) and k.value.value == 0 for k in node.keywords)
+        for node in ast.walk(tree)
+    )
+
+
 def probe_close_queues(ctx: Context) -> Probe:
     from vllm.distributed.device_communicators import shm_broadcast
 
-    if any("linger=0" in line for line in _source_lines(shm_broadcast)):
-        return Probe(False, "vLLM closes its message queues' zmq sockets itself (linger=0)")
+    if _closes_sockets_without_linger(speculators_code.module_tree(shm_broadcast)):
+        return Probe(False, "vLLM closes its message queues' zmq sockets itself (close(linger=0))")
     return Probe(
         True,
         "vLLM leaves each message queue's zmq context to the GC, where Context.__del__ can block forever in term()",
     )
-
-
-def _source_lines(module: Any) -> list[str]:
-    import inspect
-
-    try:
-        return inspect.getsource(module).splitlines()
-    except (OSError, TypeError):
-        return []
 
 
 def apply_close_queues(ctx: Context, patcher: Patcher) -> None:
