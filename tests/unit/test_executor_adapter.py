@@ -297,5 +297,5 @@ def test_close_queues_probe_reads_whether_vllm_closes_sockets_itself() -> None:
 
     from spec_compat.adapters.executor import _closes_sockets_without_linger
 
-    assert _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.30 shape
+    assert _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.32 shape
     assert not _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))
