@@ -15,6 +15,7 @@ from .errors import IncompatibleError, ResultContractError, SpecCompatError, Wor
 from .options import Context, Options
 from .patching import Patcher
 from .preflight import Finding
+from .timing import reset_timings, timings
 
 __version__ = "0.1.0"
 __all__ = [
@@ -26,7 +27,9 @@ __all__ = [
     "WorkerError",
     "apply",
     "plan",
+    "reset_timings",
     "revert",
+    "timings",
 ]
 
 

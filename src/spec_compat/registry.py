@@ -131,6 +131,20 @@ ADAPTERS: tuple[Adapter, ...] = (
         speculators="<0.4",
     ),
     Adapter(
+        id="captured-states-shared-memory",
+        side="worker",
+        patches="HiddenStatesWorkerExtension._get_captured_states (reply through a shared-memory segment)",
+        why="the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message "
+        "queue and the driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 "
+        "(GPU_NOTES 'Turn-2 measurements')",
+        vllm_change="none: all releases send RPC replies by pickling them",
+        detect="the worker defines _get_captured_states; active only in workers whose driver set the transfer "
+        "directory (executor-shared-memory-replies)",
+        delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
+        probe=worker.probe_shared_memory_states,
+        apply=worker.apply_shared_memory_states,
+    ),
+    Adapter(
         id="loud-worker-errors",
         side="worker",
         patches="every HiddenStatesWorkerExtension method and custom_worker._patched_forward",
@@ -295,6 +309,19 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="vLLM releases without the MessageQueue finalizer are no longer supported",
         probe=executor.probe_close_queues,
         apply=executor.apply_close_queues,
+    ),
+    Adapter(
+        id="executor-shared-memory-replies",
+        side="driver",
+        patches="MultiprocExecutor.__init__ / collective_rpc / shutdown (a transfer directory for the workers; "
+        "descriptors in speculators' replies become tensors over shared memory)",
+        why="see captured-states-shared-memory: the driver maps the segment instead of unpickling 192 tensors, "
+        "and skips its CPU NaN/Inf scan when the worker checked on the device",
+        vllm_change="none: all releases send RPC replies by pickling them",
+        detect="POSIX flock and mmap (Linux, macOS)",
+        delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
+        probe=executor.probe_shared_memory_replies,
+        apply=executor.apply_shared_memory_replies,
     ),
     Adapter(
         id="rpc-reply-read-once",

@@ -18,6 +18,7 @@ from ..contract import check_results
 from ..errors import IncompatibleError
 from ..options import Context
 from ..patching import Patcher
+from ..timing import OwnTime
 from . import speculators_code
 from .driver_calls import _generator
 from .probe import Probe
@@ -28,11 +29,25 @@ GeneratorMethod = Callable[..., Any]
 def _wrap_method(
     ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]
 ) -> None:
+    """Install ``make(original)`` as ``name``; the time it spends outside ``original`` is
+    accounted as ``own:<adapter_id>`` (``spec_compat.timings()``)."""
     cls = _generator(ctx).VllmHiddenStatesGenerator
     original = getattr(cls, name)
-    wrapper = functools.wraps(original)(make(original))
-    wrapper.spec_compat_adapter = adapter_id  # type: ignore[attr-defined]
-    patcher.replace(adapter_id, cls, name, wrapper)
+    own = OwnTime(f"own:{adapter_id}")
+
+    def timed_original(*args: Any, **kwargs: Any) -> Any:
+        with own.excluded():
+            return original(*args, **kwargs)
+
+    body = make(timed_original)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with own.around():
+            return body(*args, **kwargs)
+
+    installed = functools.wraps(original)(wrapper)
+    installed.spec_compat_adapter = adapter_id  # type: ignore[attr-defined]
+    patcher.replace(adapter_id, cls, name, installed)
 
 
 # ---- input validation ---------------------------------------------------------------------------------
@@ -388,12 +403,31 @@ def probe_results_contract(ctx: Context) -> Probe:
     return Probe(True, "every generate() result is checked: count, order, input_ids, layers, shapes, finite")
 
 
+def _finite_counts(generator: Any) -> tuple[int, int] | None:
+    """(replies checked finite on the worker, replies not) so far, from spec_compat's executor."""
+    counts = getattr(getattr(generator, "executor", None), "states_replies", None)
+    return (counts["verified"], counts["unverified"]) if isinstance(counts, dict) else None
+
+
 def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
     def make(original: GeneratorMethod) -> GeneratorMethod:
         def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            before = _finite_counts(self)
             results = original(self, token_ids, *args, **kwargs)
+            after = _finite_counts(self)
+            # The worker checked every value of every reply of this call where it was (on the
+            # device, before the copy): the driver keeps only the cheap checks. Otherwise (no
+            # shared-memory transfer, or a NaN/Inf found there) the full check runs here and names
+            # the request and the layer.
+            worker_checked = before is not None and after is not None and after[0] > before[0] and after[1] == before[1]
             limit = _max_prompt_len(self)
-            check_results(results, [list(ids)[:limit] for ids in token_ids], list(self.layer_ids), _hidden_size(self))
+            check_results(
+                results,
+                [list(ids)[:limit] for ids in token_ids],
+                list(self.layer_ids),
+                _hidden_size(self),
+                check_finite=not worker_checked,
+            )
             return results
 
         return generate

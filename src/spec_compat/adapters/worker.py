@@ -6,11 +6,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
+from .. import transfer
 from ..options import Context
 from ..patching import Patcher
 from ..remote_errors import EncodedWorkerException, encode
@@ -255,3 +257,36 @@ def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
 
     patcher.replace("batch-order-log", extension_cls, "_store_captured_states", _store_captured_states)
     patcher.add("batch-order-log", extension_cls, "_spec_compat_take_batch_log", _spec_compat_take_batch_log)
+
+
+# ---- captured states through shared memory (the worker's half of executor-shared-memory-replies) ----------
+
+
+def probe_shared_memory_states(ctx: Context) -> Probe:
+    extension = _worker(ctx).HiddenStatesWorkerExtension
+    if "_get_captured_states" not in vars(extension):
+        return Probe(False, "speculators' worker has no _get_captured_states")
+    return Probe(
+        True,
+        "the captured states would leave the worker as pickled tensors; they are copied to shared memory in a few "
+        "large copies and checked for NaN/Inf on the device, and only a descriptor is sent",
+    )
+
+
+def apply_shared_memory_states(ctx: Context, patcher: Patcher) -> None:
+    extension_cls = _worker(ctx).HiddenStatesWorkerExtension
+    original = vars(extension_cls)["_get_captured_states"]
+
+    @functools.wraps(original)
+    def _get_captured_states(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        directory = os.environ.get(transfer.TRANSFER_DIR_ENV)
+        if result is None or not directory:
+            return result  # not started by spec_compat's executor (or its transfer is off): as speculators does
+        pool = self.__dict__.get("_spec_compat_segments")
+        if pool is None or pool.directory != directory:
+            pool = transfer.SegmentPool(directory, f"rank{_tp_rank()}-pid{os.getpid()}")
+            self._spec_compat_segments = pool
+        return transfer.pack(result, pool)
+
+    patcher.replace("captured-states-shared-memory", extension_cls, "_get_captured_states", _get_captured_states)
