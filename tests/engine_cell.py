@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -83,8 +84,16 @@ def main() -> None:
                     "rank": getattr(exc, "rank", None),
                 }
     finally:
-        generator.executor.shutdown()
-        del generator
+        executor = generator.executor
+        directory = getattr(executor, "transfer_directory", None)
+        record["transfer"] = {
+            "states_replies": dict(getattr(executor, "states_replies", {})),
+            "directory": directory,
+            "segments_before_shutdown": sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else [],
+        }
+        executor.shutdown()
+        record["transfer"]["directory_left"] = bool(directory and os.path.exists(directory))
+        del generator, executor
         gc.collect()
     torch.save(record, out_path)
 

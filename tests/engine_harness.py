@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -114,6 +115,12 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
     if proc.returncode != 0 or not out_path.exists():
         return None, output
     return torch.load(out_path, weights_only=False), output
+
+
+@functools.cache
+def run_cell_once(cell: Cell) -> tuple[dict[str, Any] | None, str]:
+    """``run_cell(cell)`` once per test session (tests that compare against a cell share it)."""
+    return run_cell(cell)
 
 
 def record_figure(name: str, values: dict[str, Any]) -> None:

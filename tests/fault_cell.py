@@ -2,7 +2,8 @@
 
 Usage: python tests/fault_cell.py MODEL_DIR SCENARIO OUT_JSON
 Scenarios: errors (empty-message exceptions on rank 0 / rank 1 only, an exception in the model
-forward), kill (a worker process killed in the middle of generate()).
+forward), kill (a worker process killed in the middle of generate()), transfer (a NaN in one
+captured layer, then rank 0 killed half-way through writing its shared-memory segment).
 Each fault is injected with collective_rpc(callable): functions defined here are pickled by value.
 """
 
@@ -66,6 +67,37 @@ def kill_on_next_forward_rank_1(worker: Any) -> None:
             os.kill(os.getpid(), 9)
 
         layer.forward = forward
+
+
+def nan_after_layer_2_on_rank_0(worker: Any) -> None:
+    if _rank(worker) == 0:
+        layer = _layer(worker, 2)
+        original = type(layer).forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            hidden, residual = original(layer, *args, **kwargs)
+            hidden = hidden.clone()
+            hidden[-1] = float("nan")  # the last token of the batch, in layer 2's output only
+            return hidden, residual
+
+        layer.forward = forward
+
+
+def restore_layer_2(worker: Any) -> None:
+    _layer(worker, 2).__dict__.pop("forward", None)
+
+
+def kill_while_writing_states_on_rank_0(worker: Any) -> None:
+    if _rank(worker) == 0:
+        from spec_compat import transfer
+
+        def pack(value: Any, pool: Any) -> Any:
+            _, tensors = transfer.flatten(value)
+            segment = pool.acquire(sum(t.numel() * t.element_size() for t in tensors), pin=False)
+            segment.host[: segment.size // 2].fill_(7)  # half-written
+            os.kill(os.getpid(), 9)
+
+        transfer.pack = pack
 
 
 def _capture(fn: Any) -> dict[str, Any]:
@@ -140,12 +172,23 @@ def main() -> None:
     elif scenario == "kill":
         executor.collective_rpc(kill_on_next_forward_rank_1)
         record["killed"] = _capture(lambda: generator.generate(prompts))
+    elif scenario == "transfer":
+        record["transfer_directory"] = executor.transfer_directory
+        executor.collective_rpc(nan_after_layer_2_on_rank_0)
+        record["nan"] = _capture(lambda: generator.generate(prompts))
+        record["states_replies_after_nan"] = dict(executor.states_replies)
+        executor.collective_rpc(restore_layer_2)
+        record["healthy_after"] = _capture(lambda: generator.generate(prompts))
+        executor.collective_rpc(kill_while_writing_states_on_rank_0)
+        record["killed"] = _capture(lambda: generator.generate(prompts))
     started = time.perf_counter()
     executor.shutdown()
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     record["orphans"] = [p for p in pids if _alive(p)]
+    directory = getattr(executor, "transfer_directory", None)
+    record["transfer_directory_left"] = bool(directory and os.path.exists(directory))
     record["shutdown_seconds"] = time.perf_counter() - started
     with open(out_path, "w") as handle:
         json.dump(record, handle)

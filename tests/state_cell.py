@@ -37,6 +37,9 @@ def main() -> None:
     pool = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 120))] for _ in range(24)]
     single = [generator.generate([p])[0]["hidden_states"] for p in pool]
     record: dict[str, Any] = {"pids": pids, "rss_start": _rss(pids)}
+    directory = generator.executor.transfer_directory
+    segments_seen: set[str] = set()
+    segments_max = 0
     worst = 0.0
     identical = 0
     compared = 0
@@ -51,8 +54,13 @@ def main() -> None:
                 compared += 1
                 identical += int(torch.equal(got, want))
                 worst = max(worst, float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
+        del results
+        names = os.listdir(directory)
+        segments_seen.update(names)
+        segments_max = max(segments_max, len(names))
         if call == 9:
             record["rss_after_10"] = _rss(pids)
+            record["driver_fds_after_10"] = len(os.listdir("/proc/self/fd"))
         if call % 25 == 24:
             record.setdefault("rss_curve", []).append([call + 1, *_rss(pids)])
     record.update(
@@ -62,8 +70,13 @@ def main() -> None:
         compared=compared,
         call_seconds_median=sorted(durations)[len(durations) // 2],
         call_seconds_first=durations[0],
+        driver_fds_end=len(os.listdir("/proc/self/fd")),
+        segments_max=segments_max,
+        segments_made=len(segments_seen),
+        states_replies=dict(generator.executor.states_replies),
     )
     generator.executor.shutdown()
+    record["transfer_directory_left"] = os.path.exists(directory)
     with open(out_path, "w") as handle:
         json.dump(record, handle)
 

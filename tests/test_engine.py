@@ -21,7 +21,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_harness import CHUNK_BUDGET, LAYER_IDS, Cell, model_dir, prompts, record_figure, run_cell
+from engine_harness import (
+    CHUNK_BUDGET,
+    LAYER_IDS,
+    Cell,
+    model_dir,
+    prompts,
+    record_figure,
+    run_cell,
+    run_cell_once,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -67,7 +76,7 @@ CELLS = [Cell(s, f, tp) for s in SPECULATORS for f in FAMILIES for tp in (1, 2)]
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.name for c in CELLS])
 def test_generator_matches_hf(cell: Cell) -> None:
-    record, output = run_cell(cell)
+    record, output = run_cell_once(cell)
     assert record is not None, f"engine cell failed:\n{output}"
     assert record["problems"] == [], record["problems"]
     reference = hf_reference(cell.family)
@@ -97,6 +106,12 @@ def test_generator_matches_hf(cell: Cell) -> None:
         assert not isinstance(long_result, str), long_result
         chunked_diff = _max_rel_diff(long_result, reference)
         assert chunked_diff <= TOLERANCE, f"chunked prefill: max relative diff vs HF {chunked_diff:.3e}"
+    # Every reply with states came through shared memory, checked finite on the worker; the
+    # directory is gone after shutdown.
+    transfer = record["transfer"]
+    assert transfer["states_replies"]["verified"] > 0 and transfer["states_replies"]["unverified"] == 0, transfer
+    assert 1 <= len(transfer["segments_before_shutdown"]) <= 2, transfer
+    assert not transfer["directory_left"], transfer
     fault = record["fault"]
     assert fault is not None and fault["type"] == "WorkerError", fault
     assert fault["exc_type"] == "TypeError" and fault["rank"] == 0, fault

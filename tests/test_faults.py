@@ -75,3 +75,22 @@ def test_killed_worker_is_named(tmp_path: Path) -> None:
     assert killed["rank"] == 1 and "killed by signal 9 (SIGKILL)" in killed["text"], killed
     assert killed["seconds"] < LIMIT_S
     assert record["orphans"] == []
+
+
+def test_transfer_faults_are_loud(tmp_path: Path) -> None:
+    """A NaN is found on the worker (before the copy) and named by request and layer; a worker
+    killed half-way through writing its shared-memory segment surfaces as a named dead worker,
+    and no segment outlives the executor."""
+    record = _run("transfer", tmp_path)
+    nan = record["nan"]
+    assert nan["raised"] == "ResultContractError", nan
+    assert "(layer 2): " in nan["text"] and "non-finite values" in nan["text"], nan["text"]
+    assert "(layer 0)" not in nan["text"], nan["text"]
+    assert record["states_replies_after_nan"]["unverified"] == 1, record["states_replies_after_nan"]
+    assert record["healthy_after"]["raised"] is None, record["healthy_after"]
+    killed = record["killed"]
+    assert killed["raised"] == "WorkerError" and killed["exc_type"] == "WorkerProcessDied", killed
+    assert killed["rank"] == 0 and "killed by signal 9 (SIGKILL)" in killed["text"], killed
+    assert killed["seconds"] < LIMIT_S
+    assert record["orphans"] == [] and record["transfer_directory"]
+    assert record["transfer_directory_left"] is False

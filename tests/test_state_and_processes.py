@@ -53,6 +53,13 @@ def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path) ->
         {**record, "calls": CALLS, "worker_growth": worker_growth, "vllm_llm_worker_growth": vllm_worker_growth},
     )
     assert driver_growth < 0.02 * record["rss_after_10"][0], record
+    # The shared-memory transfer over the same calls: every reply through it and checked on the
+    # worker, the segment reused (a batch larger than any before may need one more), no driver
+    # descriptor left open per call, nothing left in /dev/shm after shutdown.
+    assert record["states_replies"] == {"verified": CALLS + 24, "unverified": 0}, record["states_replies"]
+    assert record["segments_max"] <= 2 and record["segments_made"] <= 4, record
+    assert record["driver_fds_end"] == record["driver_fds_after_10"], record
+    assert record["transfer_directory_left"] is False
     # vLLM's CPU workers grow on their own under varied batches (measured: ~+0.6 MB/call with
     # vllm.LLM alone); the shim must not add to that beyond noise.
     allowance = 1.5 * max(vllm_worker_growth) + (32 << 20)

@@ -1,0 +1,42 @@
+"""The shared-memory transfer on a real engine: the same tensors, bit for bit, as vLLM's own RPC
+path (the adapters disabled), for both speculators reply shapes, TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import Cell, run_cell, run_cell_once
+
+pytestmark = pytest.mark.engine
+TRANSFER = ("captured-states-shared-memory", "executor-shared-memory-replies")
+CASES = [Cell("0.4.0.1", "qwen3_moe", 2), Cell("0.3.0", "dense", 1)]
+
+
+def _bitwise_equal(a: list[list[Any]], b: list[list[Any]]) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(
+        len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y, strict=True)) for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("cell", CASES, ids=[c.name for c in CASES])
+def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell) -> None:
+    shared, output = run_cell_once(cell)
+    assert shared is not None, output
+    pickled, output = run_cell(Cell(cell.speculators, cell.family, cell.tp, disable=TRANSFER))
+    assert pickled is not None, output
+    assert pickled["transfer"]["directory"] is None and pickled["transfer"]["states_replies"]["verified"] == 0
+    assert shared["transfer"]["states_replies"]["verified"] > 0
+    assert shared["input_ids"] == pickled["input_ids"]
+    assert _bitwise_equal(shared["results"], pickled["results"])
+    for name in ("chunk_prompts", "chunk_prompts_long"):
+        if isinstance(pickled[name], str):
+            assert shared[name] == pickled[name]  # the same refusal
+        else:
+            assert _bitwise_equal(shared[name], pickled[name]), name

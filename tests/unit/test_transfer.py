@@ -1,0 +1,168 @@
+"""The shared-memory transfer on its own (CPU tensors, one process playing worker and driver)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spec_compat import transfer
+
+
+@pytest.fixture
+def directory(tmp_path: Path) -> str:
+    path = tmp_path / f"{transfer.DIR_PREFIX}{os.getpid()}-test"
+    path.mkdir()
+    return str(path)
+
+
+def _reply() -> dict[str, Any]:
+    """A speculators 0.4-shaped reply, with odd shapes, mixed dtypes and an empty tensor."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "req_0_0": [torch.randn(7, 16, generator=generator).bfloat16(), torch.randn(7, 16, generator=generator)],
+        "req_0_1": [torch.randn(1, 16, generator=generator).bfloat16(), torch.randn(1, 16, generator=generator)],
+        "req_0_2": [torch.empty(0, 16, dtype=torch.bfloat16), torch.arange(5, dtype=torch.int64)],
+        "meta": ("kept", 3),
+    }
+
+
+def _roundtrip(reply: Any, pool: transfer.SegmentPool, mappings: transfer.DriverMappings) -> Any:
+    packed = transfer.pack(reply, pool)
+    assert isinstance(packed, transfer.SharedStates)
+    return mappings.open(packed)
+
+
+def test_roundtrip_is_bitwise_and_keeps_structure(directory: str) -> None:
+    reply = _reply()
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    packed = transfer.pack(reply, pool)
+    assert isinstance(packed, transfer.SharedStates) and packed.all_finite and packed.non_finite == ()
+    opened = mappings.open(packed)
+    assert opened.keys() == reply.keys() and opened["meta"] == ("kept", 3)
+    for key in ("req_0_0", "req_0_1", "req_0_2"):
+        for got, want in zip(opened[key], reply[key], strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    # 0.3.0's reply shape: a list of per-layer tensors
+    layers = [torch.randn(33, 8), torch.randn(33, 8)]
+    opened_list = _roundtrip(layers, pool, mappings)
+    assert isinstance(opened_list, list) and all(torch.equal(a, b) for a, b in zip(opened_list, layers, strict=True))
+    pool.close()
+
+
+def test_replies_without_tensors_pass_through(directory: str) -> None:
+    pool = transfer.SegmentPool(directory, "w")
+    assert transfer.pack(None, pool) is None
+    assert transfer.pack({"a": [1, 2]}, pool) == {"a": [1, 2]}
+    assert pool.segments == []
+
+
+def test_layout_chunks_by_dtype_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "CHUNK_BYTES", 1024)
+    tensors = [torch.zeros(64, dtype=torch.float32)] * 5 + [torch.zeros(3, dtype=torch.bfloat16)]
+    chunks, offsets, total = transfer.layout(tensors)
+    assert [c.indices for c in chunks] == [(0, 1, 2, 3), (4,), (5,)]
+    assert all(c.offset % transfer.ALIGN == 0 for c in chunks)
+    assert offsets[:4] == [0, 256, 512, 768] and total == chunks[-1].offset + 6
+
+
+def test_segment_is_reused_once_released_and_not_while_held(directory: str) -> None:
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    held = _roundtrip([torch.randn(100, 64)], pool, mappings)
+    first = pool.segments[0].path
+    again = _roundtrip([torch.randn(100, 64)], pool, mappings)  # `held` still alive: a second segment
+    assert len(pool.segments) == 2 and pool.segments[1].path != first
+    expected = held[0].clone()
+    del again
+    gc.collect()
+    third = _roundtrip([torch.randn(100, 64)], pool, mappings)
+    assert len(pool.segments) == 2, "the released segment is reused, the held one kept"
+    assert torch.equal(held[0], expected), "a held reply is never overwritten"
+    del held, third
+    gc.collect()
+    _roundtrip([torch.randn(100, 64)], pool, mappings)
+    assert len(pool.segments) == 1, "free segments beyond the one used are freed"
+    assert sorted(os.listdir(directory)) == [os.path.basename(pool.segments[0].path)]
+    pool.close()
+    assert os.listdir(directory) == []
+
+
+def test_repeated_calls_do_not_leak(directory: str) -> None:
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    fds_after_first = 0
+    for call in range(200):
+        opened = _roundtrip([torch.full((50 + call % 7, 32), float(call))], pool, mappings)
+        assert float(opened[0][0, 0]) == call
+        del opened
+        if call == 0:
+            fds_after_first = len(os.listdir("/proc/self/fd"))
+    gc.collect()
+    assert len(pool.segments) == 1 and len(os.listdir(directory)) == 1
+    assert len(mappings.maps) == 1
+    # the pool's fd and the two mappings' own descriptors, made by the first call; leases are closed
+    assert len(os.listdir("/proc/self/fd")) == fds_after_first
+    pool.close()
+
+
+def test_growing_replies_get_a_larger_segment(directory: str) -> None:
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    _roundtrip([torch.zeros(10, 10)], pool, mappings)
+    small = pool.segments[0].size
+    big = _roundtrip([torch.ones(small // 4 + 100)], pool, mappings)
+    assert pool.segments[-1].size > small and bool((big[0] == 1).all())
+    del big
+    gc.collect()
+    _roundtrip([torch.zeros(10, 10)], pool, mappings)
+    assert len(pool.segments) == 1
+    assert len(mappings.maps) == 1, "the driver unmaps segments the worker freed"
+    pool.close()
+
+
+def test_non_finite_values_are_found_and_counted(directory: str) -> None:
+    pool = transfer.SegmentPool(directory, "w")
+    bad = torch.randn(6, 4)
+    bad[2, 1] = float("nan")
+    worse = torch.randn(3, 4).bfloat16()
+    worse[0, 0], worse[1, 1] = float("inf"), float("-inf")
+    packed = transfer.pack([torch.randn(5, 4), bad, worse], pool)
+    assert isinstance(packed, transfer.SharedStates)
+    assert not packed.all_finite and packed.non_finite == ((1, 1), (2, 2))
+    pool.close()
+
+
+def test_no_space_falls_back_to_the_inline_reply(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    pool = transfer.SegmentPool(directory, "w")
+    reply = [torch.randn(4, 4)]
+    packed = transfer.pack(reply, pool)
+    assert isinstance(packed, transfer.InlineStates) and "No space left" in packed.reason
+    assert packed.value is reply and packed.all_finite
+    assert os.listdir(directory) == [], "a segment that could not be made leaves no file"
+
+
+def test_driver_refuses_paths_outside_its_directory(directory: str, tmp_path: Path) -> None:
+    pool = transfer.SegmentPool(directory, "w")
+    packed = transfer.pack([torch.zeros(2)], pool)
+    assert isinstance(packed, transfer.SharedStates)
+    with pytest.raises(ValueError, match="outside"):
+        transfer.DriverMappings(str(tmp_path / "elsewhere")).open(packed)
+    pool.close()
+
+
+def test_stale_directories_of_dead_drivers_are_swept(tmp_path: Path) -> None:
+    dead = tmp_path / f"{transfer.DIR_PREFIX}999999999-abc"
+    alive = tmp_path / f"{transfer.DIR_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / "unrelated-999999999-abc"
+    for path in (dead, alive, other):
+        path.mkdir()
+        (path / "seg").write_bytes(b"x")
+    assert transfer.sweep_stale_directories(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and alive.exists() and other.exists()
