@@ -69,7 +69,9 @@ def variant(model_dir: str, layers: list[int], transfer: bool, out: str, calls: 
         "tokens_per_s_best": tokens / min(seconds),
         "tokens_per_s_median": tokens / sorted(seconds)[len(seconds) // 2],
         "timings": per_call,
-        "own_fraction": [sum(v for k, v in t.items() if k.startswith("own:")) / s for t, s in zip(per_call, seconds, strict=True)],
+        "own_fraction": [
+            sum(v for k, v in t.items() if k.startswith("own:")) / s for t, s in zip(per_call, seconds, strict=True)
+        ],
         "states_replies": getattr(generator.executor, "states_replies", None),
         "profile": text.getvalue()[-6000:],
     }

@@ -21,7 +21,8 @@ def _bitwise_equal(a: list[list[Any]], b: list[list[Any]]) -> bool:
     import torch
 
     return len(a) == len(b) and all(
-        len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y, strict=True)) for x, y in zip(a, b, strict=True)
+        len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+        for x, y in zip(a, b, strict=True)
     )
 
 
