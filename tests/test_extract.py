@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -84,6 +85,12 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     )
     lengths = json.loads((out / "sample_lengths.json").read_text())
     assert lengths == {str(i): len(ids) for i, ids in enumerate(lines)}
+    stats = json.loads((out / "extract_stats.json").read_text())
+    assert stats["samples"] == len(lines) and stats["tokens"] == sum(map(len, lines)) and stats["batches"] == 5
+    assert stats["extract_s"] > 0 and stats["engine_start_s"] > 0
+    # every file's recorded sha256 (computed while writing) is the file's
+    for entry in manifest["samples"].values():
+        assert hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest() == entry["sha256"]
     # speculators' own training dataset reads the files
     env = _env()
     check = subprocess.run(

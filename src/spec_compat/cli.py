@@ -19,7 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--layer-ids", required=True, help="comma-separated decoder layer ids, e.g. 2,15,28")
     extract.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     extract.add_argument("--max-model-len", type=int, default=2048)
-    extract.add_argument("--batch-size", type=int, default=16)
+    extract.add_argument(
+        "--batch-size", type=int, default=None, help="samples per generate() call (default: the engine's max_num_seqs)"
+    )
+    extract.add_argument("--batch-tokens", type=int, default=32768, help="at most this many tokens per call")
+    extract.add_argument("--writer-threads", type=int, default=4, help="threads writing files in the background")
+    extract.add_argument(
+        "--pending-batches", type=int, default=2, help="batches being written while the next runs (memory bound)"
+    )
     extract.add_argument("--ids-field", default="input_ids", help="JSONL field holding token ids")
     extract.add_argument(
         "--text-field", default=None, help="JSONL field with text, tokenized with the model's tokenizer"
@@ -52,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                 tensor_parallel_size=args.tp,
                 max_model_len=args.max_model_len,
                 batch_size=args.batch_size,
+                batch_tokens=args.batch_tokens,
+                writer_threads=args.writer_threads,
+                pending_batches=args.pending_batches,
                 text_field=args.text_field,
                 ids_field=args.ids_field,
                 shard=shard,

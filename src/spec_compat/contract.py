@@ -6,6 +6,7 @@ per requested layer id; each ``[num_tokens, hidden_size]``, floating point and f
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,19 @@ def _shape(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} of {len(value)}"
     return type(value).__name__
+
+
+def _same_ids(ids: Any, expected: list[int]) -> bool:
+    """``ids`` (a tensor or a sequence) equals ``expected``, compared as int64 bytes where possible."""
+    import torch
+
+    if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point and ids.ndim == 1:
+        try:
+            wanted = array("q", expected).tobytes()
+        except (TypeError, OverflowError):
+            return bool(ids.tolist() == expected)
+        return bytes(ids.to(torch.int64).contiguous().numpy().tobytes()) == wanted
+    return bool((ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)) == expected)
 
 
 def contract_violations(
@@ -46,8 +60,8 @@ def contract_violations(
             continue
         ids = result["input_ids"]
         expected = list(expected_ids)
-        actual = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        if actual != expected:
+        if not _same_ids(ids, expected):
+            actual = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
             problems.append(
                 f"{where}: input_ids differ from input {index} "
                 f"(expected {len(expected)} tokens starting {expected[:6]}, got {len(actual)} starting {actual[:6]})"

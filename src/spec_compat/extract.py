@@ -16,13 +16,16 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
 LENGTHS = "sample_lengths.json"
+STATS = "extract_stats.json"
 FORMAT = "speculators-eagle3-v1"
 
 
@@ -41,7 +44,10 @@ class ExtractConfig:
     layer_ids: list[int]
     tensor_parallel_size: int = 1
     max_model_len: int = 2048
-    batch_size: int = 16
+    batch_size: int | None = None  # samples per generate() call; default: the engine's max_num_seqs
+    batch_tokens: int = 32768  # and at most this many tokens per call (one sample may exceed it alone)
+    writer_threads: int = 4
+    pending_batches: int = 2  # batches written in the background while the next one runs (memory bound)
     text_field: str | None = None
     ids_field: str = "input_ids"
     shard: tuple[int, int] = (0, 1)
@@ -166,6 +172,99 @@ class Progress:
         sys.stderr.write("\n")
 
 
+def plan_batches(lengths: list[int], max_samples: int, max_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive samples: at most ``max_samples`` and ``max_tokens`` each
+    (a single sample longer than ``max_tokens`` is a batch of its own)."""
+    batches: list[tuple[int, int]] = []
+    start = tokens = 0
+    for index, length in enumerate(lengths):
+        if index > start and (index - start >= max_samples or tokens + length > max_tokens):
+            batches.append((start, index))
+            start, tokens = index, 0
+        tokens += length
+    if start < len(lengths):
+        batches.append((start, len(lengths)))
+    return batches
+
+
+class _HashingFile:
+    """A file whose sha256 is computed while it is written (no second read of the file)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return int(self.handle.write(data))
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def write_sample(output: Path, idx: int, payload: dict[str, Any]) -> tuple[str, int, str]:
+    """data_{idx}.pt, written to a temporary name and renamed; (file name, tokens, sha256)."""
+    import torch
+
+    name = f"data_{idx}.pt"
+    tmp = output / (name + ".tmp")
+    try:
+        with tmp.open("wb") as handle:
+            hashing = _HashingFile(handle)
+            torch.save(payload, hashing)  # type: ignore[arg-type]  # any object with write() will do
+        os.replace(tmp, output / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return name, len(payload["input_ids"]), hashing.digest.hexdigest()
+
+
+class BackgroundWriter:
+    """Writes finished batches on a few threads while the engine runs the next batch.
+
+    At most ``pending`` batches are in flight (each holds its hidden states in memory); the
+    manifest is only touched by the caller's thread, in batch order, once a batch's files are all
+    on disk, so an interrupted run never records a sample whose file is not complete."""
+
+    def __init__(self, output: Path, manifest: Manifest, threads: int, pending: int) -> None:
+        self.output = output
+        self.manifest = manifest
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="spec-compat-writer")
+        self.pending = max(1, pending)
+        self.in_flight: deque[list[tuple[int, Future[tuple[str, int, str]]]]] = deque()
+        self.written_samples = 0
+        self.wait_s = 0.0  # time the engine loop waited for the writer (the writer is the bottleneck)
+
+    def submit(self, samples: list[tuple[int, dict[str, Any]]]) -> None:
+        while len(self.in_flight) >= self.pending:
+            self._finish_oldest()
+        futures = [(idx, self.pool.submit(write_sample, self.output, idx, payload)) for idx, payload in samples]
+        self.in_flight.append(futures)
+
+    def _finish_oldest(self) -> None:
+        started = time.perf_counter()
+        batch = self.in_flight.popleft()
+        try:
+            written = [(idx, future.result()) for idx, future in batch]
+        finally:
+            self.wait_s += time.perf_counter() - started
+        for idx, (name, tokens, digest) in written:
+            self.manifest.record(idx, name, tokens, digest)
+        self.manifest.save()
+        self.written_samples += len(written)
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._finish_oldest()
+
+    def close(self) -> None:
+        """Finish what can be finished (the files of batches already submitted), then stop."""
+        try:
+            self.drain()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _provenance(config: ExtractConfig, report: Any) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -179,6 +278,7 @@ def _provenance(config: ExtractConfig, report: Any) -> dict[str, Any]:
             "tensor_parallel_size": config.tensor_parallel_size,
             "max_model_len": config.max_model_len,
             "batch_size": config.batch_size,
+            "batch_tokens": config.batch_tokens,
             "dtype": config.dtype,
         },
     }
@@ -213,6 +313,7 @@ def run(config: ExtractConfig) -> int:
     if not todo:
         return 0
 
+    started = time.perf_counter()
     generator = VllmHiddenStatesGenerator(
         config.model,
         layer_ids=config.layer_ids,
@@ -220,17 +321,24 @@ def run(config: ExtractConfig) -> int:
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
+    engine_start_s = time.perf_counter() - started
     save_dtype = getattr(torch, config.save_dtype)
-    progress = Progress(len(todo), sum(min(len(s.input_ids), limit) for s in todo))
+    lengths = [min(len(s.input_ids), limit) for s in todo]
+    max_samples = config.batch_size or int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 16)
+    batches = plan_batches(lengths, max_samples, config.batch_tokens)
+    progress = Progress(len(todo), sum(lengths))
+    writer = BackgroundWriter(config.output, manifest, config.writer_threads, config.pending_batches)
     failures = 0
+    started = time.perf_counter()
     try:
-        for start in range(0, len(todo), config.batch_size):
-            batch = todo[start : start + config.batch_size]
+        for begin, end in batches:
+            batch = todo[begin:end]
             try:
                 results = generator.generate([s.input_ids for s in batch])
             except Exception as exc:  # noqa: BLE001 - reported with the samples; the user picks stop or skip
                 failures += len(batch)
                 detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                writer.drain()
                 manifest.fail([s.idx for s in batch], detail)
                 manifest.save()
                 print(
@@ -240,23 +348,49 @@ def run(config: ExtractConfig) -> int:
                 if config.on_error == "stop":
                     return 1
                 continue
+            payloads = []
             for sample, result in zip(batch, results, strict=True):
                 ids = result["input_ids"].to(torch.long)
                 mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
-                payload = {
-                    "input_ids": ids,
-                    "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
-                    "loss_mask": torch.as_tensor(mask, dtype=torch.long),
-                }
-                name = f"data_{sample.idx}.pt"
-                tmp = config.output / (name + ".tmp")
-                torch.save(payload, tmp)
-                os.replace(tmp, config.output / name)
-                manifest.record(sample.idx, name, len(ids), sha256_of(config.output / name))
-            manifest.save()
-            progress.update(len(batch), sum(len(r["input_ids"]) for r in results))
+                payloads.append(
+                    (
+                        sample.idx,
+                        {
+                            "input_ids": ids,
+                            "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
+                            "loss_mask": torch.as_tensor(mask, dtype=torch.long),
+                        },
+                    )
+                )
+            del results
+            writer.submit(payloads)
+            progress.update(len(batch), sum(lengths[begin:end]))
+        writer.drain()
     finally:
         progress.close()
-        generator.executor.shutdown()
-        del generator  # let speculators' __del__ run now, not at interpreter teardown
+        try:
+            writer.close()
+        finally:
+            generator.executor.shutdown()
+            del generator  # let speculators' __del__ run now, not at interpreter teardown
+    extract_s = time.perf_counter() - started
+    tokens = sum(lengths)
+    stats = {
+        "samples": writer.written_samples,
+        "tokens": tokens,
+        "batches": len(batches),
+        "engine_start_s": engine_start_s,
+        "extract_s": extract_s,
+        "tokens_per_s": tokens / extract_s if extract_s > 0 else None,
+        "writer_wait_s": writer.wait_s,
+        "writer_threads": config.writer_threads,
+        "pending_batches": config.pending_batches,
+    }
+    _write_json_atomic(config.output / STATS, stats)
+    print(
+        f"spec-compat extract: {writer.written_samples} samples, {tokens:,} tokens in {extract_s:.1f} s "
+        f"({stats['tokens_per_s'] or 0:,.0f} tok/s; engine start {engine_start_s:.1f} s, "
+        f"waited for the writer {writer.wait_s:.1f} s)",
+        file=sys.stderr,
+    )
     return 1 if failures else 0

@@ -10,6 +10,7 @@ import ast
 import functools
 import math
 import warnings
+from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +91,9 @@ def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int
             raise TypeError(f"token_ids[{i}] must be a sequence of ints, got {type(row).__name__}")
         if len(row) == 0:
             raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
+        if set(map(type, row)) == {int} and min(row) >= 0 and (vocab_size is None or max(row) < vocab_size):
+            batch.append(list(row))  # the common case, checked in C loops; the loop below names a bad token
+            continue
         for j, token in enumerate(row):
             if isinstance(token, bool) or not isinstance(token, int):
                 raise TypeError(f"token_ids[{i}][{j}] = {token!r} is not an int")
@@ -214,15 +218,23 @@ def probe_input_order(ctx: Context) -> Probe:
     return Probe(False, "generate() returns results in input order")
 
 
+def _ids_key(ids: Any) -> bytes:
+    """The token ids as int64 bytes: an exact key that hashes and compares in C."""
+    import torch
+
+    if isinstance(ids, torch.Tensor):
+        return bytes(ids.to(torch.int64).contiguous().numpy().tobytes())
+    return array("q", ids).tobytes()
+
+
 def reorder_to_inputs(results: list[Any], inputs: list[list[int]]) -> list[Any]:
     """Put results back in input order by their input_ids (equal inputs are interchangeable)."""
-    by_ids: defaultdict[tuple[int, ...], deque[Any]] = defaultdict(deque)
+    by_ids: defaultdict[bytes, deque[Any]] = defaultdict(deque)
     for result in results:
-        ids = result["input_ids"]
-        by_ids[tuple(ids.tolist() if hasattr(ids, "tolist") else ids)].append(result)
+        by_ids[_ids_key(result["input_ids"])].append(result)
     ordered = []
     for ids in inputs:
-        queue = by_ids.get(tuple(ids))
+        queue = by_ids.get(_ids_key(ids))
         if not queue:
             return results  # leave it to the contract check to say what is wrong
         ordered.append(queue.popleft())
