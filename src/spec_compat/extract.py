@@ -329,6 +329,7 @@ def run(config: ExtractConfig) -> int:
     progress = Progress(len(todo), sum(lengths))
     writer = BackgroundWriter(config.output, manifest, config.writer_threads, config.pending_batches)
     failures = 0
+    first_batch: tuple[float, int] | None = None  # (seconds until its states were handed to the writer, tokens)
     started = time.perf_counter()
     try:
         for begin, end in batches:
@@ -364,8 +365,11 @@ def run(config: ExtractConfig) -> int:
                 )
             del results
             writer.submit(payloads)
+            if first_batch is None:
+                first_batch = (time.perf_counter() - started, sum(lengths[begin:end]))
             progress.update(len(batch), sum(lengths[begin:end]))
         writer.drain()
+        extract_s = time.perf_counter() - started  # dataset to files on disk (engine start and shutdown excluded)
     finally:
         progress.close()
         try:
@@ -373,7 +377,6 @@ def run(config: ExtractConfig) -> int:
         finally:
             generator.executor.shutdown()
             del generator  # let speculators' __del__ run now, not at interpreter teardown
-    extract_s = time.perf_counter() - started
     tokens = sum(lengths)
     stats = {
         "samples": writer.written_samples,
@@ -382,6 +385,11 @@ def run(config: ExtractConfig) -> int:
         "engine_start_s": engine_start_s,
         "extract_s": extract_s,
         "tokens_per_s": tokens / extract_s if extract_s > 0 else None,
+        # after the first batch (its call also warms the engine up: kernel autotuning, allocator)
+        "first_batch_s": first_batch[0] if first_batch else None,
+        "steady_tokens_per_s": (tokens - first_batch[1]) / (extract_s - first_batch[0])
+        if first_batch and len(batches) > 1 and extract_s > first_batch[0]
+        else None,
         "writer_wait_s": writer.wait_s,
         "writer_threads": config.writer_threads,
         "pending_batches": config.pending_batches,
