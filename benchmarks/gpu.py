@@ -32,7 +32,7 @@ round (``--rounds``; a path that would not fit the budget is recorded ``not-run`
 ``shim`` (speculators' generator through spec_compat), ``native`` (vLLM's extract_hidden_states +
 ExampleHiddenStatesConnector writing the same layers to /dev/shm; its layer ids are ours + 1),
 ``llm_eager`` / ``llm_default`` (``LLM.generate(max_tokens=1)``, eager / CUDA graphs + compile) and
-``extract`` (``spec-compat extract`` of the prompts x4 to local disk; its figure is ``extract_stats.json``'s
+``extract`` (``spec-compat extract`` of the prompts x24 to local disk; its figure is ``extract_stats.json``'s
 dataset-to-files time, engine start excluded; without that file the process wall time, engine start
 included, marked ``stats_missing``). Per path: 1 warm-up and 3 timed calls; details in
 benchmarks/gpu_paths.py.
@@ -629,7 +629,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/sc_gpu_bench"), help="models, extract output")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--extract-repeat", type=int, default=8, help="extract dataset: the prompts N times")
+    parser.add_argument("--extract-repeat", type=int, default=24, help="extract dataset: the prompts N times")
     parser.add_argument("--extract-args", default="", help="extra flags for spec-compat extract (one string)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model, a few prompts, on CPU: plumbing only")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine gpu_<models>.json files ...")

@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=int, default=None, help="samples per generate() call (default: the engine's max_num_seqs)"
     )
     extract.add_argument("--batch-tokens", type=int, default=32768, help="at most this many tokens per call")
-    extract.add_argument("--writer-threads", type=int, default=4, help="threads writing files in the background")
+    extract.add_argument(
+        "--writer-threads", type=int, default=None, help="threads writing files (default: half the cores, <= 8)"
+    )
     extract.add_argument(
         "--pending-batches", type=int, default=2, help="batches being written while the next runs (memory bound)"
     )
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(as_json=args.json)
     if args.command == "extract":
-        from .extract import ExtractConfig, parse_shard
+        from .extract import ExtractConfig, default_writer_threads, parse_shard
         from .extract import run as run_extract
 
         try:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 batch_size=args.batch_size,
                 batch_tokens=args.batch_tokens,
-                writer_threads=args.writer_threads,
+                writer_threads=args.writer_threads or default_writer_threads(),
                 pending_batches=args.pending_batches,
                 text_field=args.text_field,
                 ids_field=args.ids_field,

@@ -46,7 +46,7 @@ class ExtractConfig:
     max_model_len: int = 2048
     batch_size: int | None = None  # samples per generate() call; default: the engine's max_num_seqs
     batch_tokens: int = 32768  # and at most this many tokens per call (one sample may exceed it alone)
-    writer_threads: int = 4
+    writer_threads: int = field(default_factory=lambda: default_writer_threads())
     pending_batches: int = 2  # batches written in the background while the next one runs (memory bound)
     text_field: str | None = None
     ids_field: str = "input_ids"
@@ -56,6 +56,11 @@ class ExtractConfig:
     save_dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.8
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_writer_threads() -> int:
+    """Half the cores, 1 to 8: the last batch's files are written after the engine has finished."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -89,10 +94,13 @@ def read_samples(config: ExtractConfig, tokenizer: Any | None) -> Iterator[Sampl
 
 
 def sha256_of(path: Path) -> str:
+    """Read into one reused buffer (no per-block objects); hashlib hashes it without the GIL."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            digest.update(view[:count])
     return digest.hexdigest()
 
 
@@ -187,36 +195,25 @@ def plan_batches(lengths: list[int], max_samples: int, max_tokens: int) -> list[
     return batches
 
 
-class _HashingFile:
-    """A file whose sha256 is computed while it is written (no second read of the file)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-        self.digest = hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.digest.update(data)
-        return int(self.handle.write(data))
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
 def write_sample(output: Path, idx: int, payload: dict[str, Any]) -> tuple[str, int, str]:
-    """data_{idx}.pt, written to a temporary name and renamed; (file name, tokens, sha256)."""
+    """data_{idx}.pt, written to a temporary name and renamed; (file name, tokens, sha256).
+
+    torch.save to a path writes the tensor bytes from C++ without the GIL, and hashlib hashes
+    without it: the writer threads barely compete with the engine loop for the interpreter (saving
+    through a Python file object copied every tensor into a bytes object under the GIL: extract
+    ran at 0.79x the generator's own speed on an H200)."""
     import torch
 
     name = f"data_{idx}.pt"
     tmp = output / (name + ".tmp")
     try:
-        with tmp.open("wb") as handle:
-            hashing = _HashingFile(handle)
-            torch.save(payload, hashing)  # type: ignore[arg-type]  # any object with write() will do
+        torch.save(payload, tmp)
+        digest = sha256_of(tmp)
         os.replace(tmp, output / name)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return name, len(payload["input_ids"]), hashing.digest.hexdigest()
+    return name, len(payload["input_ids"]), digest
 
 
 class BackgroundWriter:
