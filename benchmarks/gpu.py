@@ -167,6 +167,10 @@ def distribution_version(name: str, path: str | None = None) -> str | None:
 
 
 def git_commit() -> str | None:
+    """``$SPEC_COMPAT_COMMIT`` when set (the device copy's .git is the landed base, not the tree sent),
+    else the checkout's HEAD."""
+    if os.environ.get("SPEC_COMPAT_COMMIT"):
+        return os.environ["SPEC_COMPAT_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(
