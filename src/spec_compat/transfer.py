@@ -265,8 +265,10 @@ class SegmentPool:
         self.name = name
         self.segments: list[Segment] = []
         self._numbers = itertools.count()
+        self.pinning_failed = False  # once cudaHostRegister has failed, copy unpinned instead of retrying
 
     def acquire(self, nbytes: int, pin: bool) -> Segment:
+        pin = pin and not self.pinning_failed
         free = [s for s in self.segments if not s.leased()]
         fitting = [s for s in free if s.size >= nbytes and (s.pinned or not pin)]
         chosen = min(fitting, key=lambda s: s.size) if fitting else None
@@ -278,6 +280,7 @@ class SegmentPool:
             size = _round_up(nbytes + nbytes // 8, SIZE_STEP)  # headroom for the next, slightly larger call
             path = os.path.join(self.directory, f"{self.name}-{next(self._numbers)}")
             chosen = Segment(path, size, pin)
+            self.pinning_failed = pin and not chosen.pinned
             self.segments.append(chosen)
         return chosen
 

@@ -166,3 +166,18 @@ def test_stale_directories_of_dead_drivers_are_swept(tmp_path: Path) -> None:
         (path / "seg").write_bytes(b"x")
     assert transfer.sweep_stale_directories(str(tmp_path)) == [dead.name]
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_failed_pinning_is_not_retried(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts: list[int] = []
+
+    def refuse(host: Any) -> bool:
+        attempts.append(host.numel())
+        return False
+
+    monkeypatch.setattr(transfer, "_pin", refuse)
+    pool = transfer.SegmentPool(directory, "w")
+    for _ in range(3):
+        pool.acquire(1000, pin=True)
+    assert len(attempts) == 1 and pool.pinning_failed and len(pool.segments) == 1
+    pool.close()
