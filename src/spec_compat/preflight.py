@@ -12,6 +12,7 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any
 
+from . import source_parsing
 from .calls import bind_problem, names_reaching_target
 
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -39,7 +40,7 @@ class Finding:
 
 @functools.lru_cache(maxsize=8)
 def call_sites(module: ModuleType) -> tuple[CallSite, ...]:
-    tree = ast.parse(inspect.getsource(module))
+    tree = source_parsing.parse(inspect.getsource(module))
     sites: list[CallSite] = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):

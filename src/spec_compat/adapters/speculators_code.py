@@ -11,6 +11,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from .. import source_parsing
+
 GENERATOR_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER_MODULE = "speculators.data_generation.custom_worker"
 
@@ -30,12 +32,12 @@ def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @functools.lru_cache(maxsize=64)
 def _tree_of(fn: Callable[..., Any]) -> ast.AST:
-    return ast.parse(textwrap.dedent(inspect.getsource(_unwrapped(fn))))
+    return source_parsing.parse(textwrap.dedent(inspect.getsource(_unwrapped(fn))))
 
 
 @functools.lru_cache(maxsize=8)
 def module_tree(module: ModuleType) -> ast.Module:
-    return ast.parse(inspect.getsource(module))
+    return source_parsing.parse(inspect.getsource(module))
 
 
 def attribute_names_used(fn: Callable[..., Any]) -> set[str]:

@@ -10,6 +10,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+from .. import source_parsing
+
 WORKER_MODULES = ("vllm.v1.worker.worker_base", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.cpu_worker")
 
 
@@ -17,7 +19,7 @@ def _class_members(module: str) -> dict[str, tuple[set[str], list[str]]]:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return {}
-    tree = ast.parse(Path(spec.origin).read_text())
+    tree = source_parsing.parse(Path(spec.origin).read_text())
     classes: dict[str, tuple[set[str], list[str]]] = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
