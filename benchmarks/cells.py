@@ -271,6 +271,19 @@ def _vm_hwm(pid: int) -> int | None:
     return None
 
 
+def _rss_shmem(pid: int) -> int:
+    """Resident shared-memory pages of a process (RssShmem): spec_compat's transfer segment, mapped
+    by the worker that writes it and by the driver that reads it."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
 def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
     gc.collect()
     monitor = RssMonitor(0.05)
@@ -300,6 +313,7 @@ def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
 
     shim_generate.check_results = traced_check
     monitor.start()
+    shmem_before = {pid: _rss_shmem(pid) for pid in monitor.baseline}
     time.sleep(0.2)
     start = time.perf_counter()
     try:
@@ -331,6 +345,14 @@ def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
                 "growth_over_returned": (peak - base) / returned,
                 "kernel_peak_mb": kernel_peak / 2**20 if kernel_peak else None,
                 "kernel_growth_over_returned": (kernel_peak - base) / returned if kernel_peak else None,
+                # the part of the growth that is the transfer segment's shared pages (still mapped after
+                # the call), and the rest: the process's own memory
+                "shmem_growth_mb": (_rss_shmem(pid) - shmem_before.get(pid, 0)) / 2**20,
+                "kernel_growth_private_over_returned": (
+                    (kernel_peak - base - (_rss_shmem(pid) - shmem_before.get(pid, 0))) / returned
+                    if kernel_peak
+                    else None
+                ),
             }
         )
     driver = next(p for p in processes if p["process"] == "driver")
@@ -358,6 +380,8 @@ def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
         "samples": monitor.samples,
         "driver_growth_over_returned": driver["growth_over_returned"],
         "driver_kernel_growth_over_returned": driver["kernel_growth_over_returned"],
+        "driver_kernel_growth_private_over_returned": driver["kernel_growth_private_over_returned"],
+        "driver_shmem_growth_mb": driver["shmem_growth_mb"],
         "processes": processes,
         "worker_pids": [w["pid"] for w in workers],
         "marks": marks,

@@ -505,6 +505,12 @@ def section_throughput(runner: Runner, plan: Plan, models: dict[str, Any]) -> di
                 f"    driver growth / returned = {mem['target']['value']:.2f} (kernel peak; sampler "
                 f"{mem['driver_growth_over_returned']:.2f}); target <= 1.5: {mark(mem['target'])}"
             )
+            private = mem.get("driver_kernel_growth_private_over_returned")
+            if private is not None:
+                print(
+                    f"      of it the transfer segment's shared pages {mem.get('driver_shmem_growth_mb', 0):.1f} MiB; "
+                    f"the driver's own memory {private:.2f}x returned"
+                )
         cells.append(rec)
     return {"cells": cells}
 
