@@ -274,32 +274,15 @@ def build_model(kind: str, model_dir: Path) -> None:
         tiny_models.build_model("dense", model_dir)
         marker.write_text(json.dumps({"config": config}))
         return
-    import torch
-
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if kind == "moe":
-        sys.path.insert(0, str(ROOT / "tools"))
-        import gpu_large_moe
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_large_moe
 
+    if kind == "moe":
         gpu_large_moe.build(tmp)
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        hf_config = Qwen3Config(
-            vocab_size=tiny_models.VOCAB_SIZE,
-            pad_token_id=tiny_models.PAD_TOKEN_ID,
-            bos_token_id=tiny_models.BOS_TOKEN_ID,
-            eos_token_id=tiny_models.EOS_TOKEN_ID,
-            dtype="bfloat16",
-            **DENSE_CONFIG,
-        )
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model: Any = Qwen3ForCausalLM(hf_config)  # type: ignore[no-untyped-call]
-        model = model.to(torch.bfloat16)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tiny_models._build_tokenizer().save_pretrained(tmp)
+        gpu_large_moe.build_random_checkpoint(tmp, "qwen3", DENSE_CONFIG)
     (tmp / MARKER).write_text(json.dumps({"config": config}))
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)

@@ -41,34 +41,47 @@ CONFIG = {
 }
 
 
-def build(model_dir: Path) -> dict[str, Any]:
+def build_random_checkpoint(
+    model_dir: Path, family: str, fields: dict[str, Any], device: str = "cuda"
+) -> dict[str, Any]:
+    """A random-weight bf16 checkpoint of ``family`` ("qwen3" or "qwen3_moe") with the test tokenizer,
+    built on ``device`` (a multi-GB model builds in seconds on a GPU); reused when it exists."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     sys.path.insert(0, str(REPO / "tests"))
     import tiny_models
 
     if (model_dir / "config.json").exists():
         return {"reused": True}
+    config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }[family]
     started = time.perf_counter()
-    config = Qwen3MoeConfig(
+    config = config_class(
         vocab_size=tiny_models.VOCAB_SIZE,
         pad_token_id=tiny_models.PAD_TOKEN_ID,
         bos_token_id=tiny_models.BOS_TOKEN_ID,
         eos_token_id=tiny_models.EOS_TOKEN_ID,
         dtype="bfloat16",
-        **CONFIG,
+        **fields,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    with torch.device(device):
+        model = model_class(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(model_dir, safe_serialization=True)
     tiny_models._build_tokenizer().save_pretrained(model_dir)
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"params": params, "bytes": size, "build_s": time.perf_counter() - started}
+
+
+def build(model_dir: Path) -> dict[str, Any]:
+    return build_random_checkpoint(model_dir, "qwen3_moe", CONFIG)
 
 
 def peak_memory(worker: Any) -> dict[str, float]:
