@@ -260,28 +260,25 @@ def _reset_peak(pid: int) -> None:
         pass
 
 
-def _vm_hwm(pid: int) -> int | None:
+def _status_bytes(pid: int, field: str) -> int | None:
+    """A size field of /proc/PID/status (``VmHWM``: the kernel's peak RSS; ``RssShmem``: resident
+    shared-memory pages, e.g. spec_compat's transfer segment mapped by a worker and the driver)."""
     try:
         with open(f"/proc/{pid}/status") as handle:
             for line in handle:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
 
 
+def _vm_hwm(pid: int) -> int | None:
+    return _status_bytes(pid, "VmHWM")
+
+
 def _rss_shmem(pid: int) -> int:
-    """Resident shared-memory pages of a process (RssShmem): spec_compat's transfer segment, mapped
-    by the worker that writes it and by the driver that reads it."""
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            for line in handle:
-                if line.startswith("RssShmem:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return 0
+    return _status_bytes(pid, "RssShmem") or 0
 
 
 def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
