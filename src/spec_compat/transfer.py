@@ -321,10 +321,9 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
         return value
     started = time.perf_counter()
     chunks, offsets, nbytes = layout(tensors)
-    device = tensors[0].device
-    on_cuda = device.type == "cuda"
+    cuda_devices = {t.device for t in tensors if t.device.type == "cuda"}
     try:
-        segment = pool.acquire(max(nbytes, 1), pin=on_cuda)
+        segment = pool.acquire(max(nbytes, 1), pin=bool(cuda_devices))
     except OSError as exc:
         return _inline(value, tensors, f"{type(exc).__name__}: {exc}", started)
     host = segment.host
@@ -346,7 +345,7 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
             flat = parts[0] if len(parts) == 1 else torch.cat(parts)
             probes.append(_finite_probe(flat))  # queued on the device before the copy
             dest.copy_(flat.reshape(-1).view(torch.uint8), non_blocking=segment.pinned)
-    if on_cuda:
+    for device in cuda_devices:  # the copies were queued on each device's current stream
         torch.cuda.current_stream(device).synchronize()
     checked = time.perf_counter()
     present = [p for p in probes if p is not None]
