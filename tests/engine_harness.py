@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ SPECULATORS_ENV = "SPEC_COMPAT_SPECULATORS"  # "0.4.0.1=/dir,0.3.0=/dir" (pip in
 LAYER_IDS = [2, 0, 3]  # deliberately unsorted: hidden_states[k] must be layer LAYER_IDS[k]
 MAX_MODEL_LEN = 256
 CHUNK_BUDGET = 64
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 33, 40, 48, 57, 64, 80, 97, 120, 150]
 
 
@@ -111,7 +113,8 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
         text=True,
         timeout=900,
     )
-    output = (proc.stdout + proc.stderr)[-6000:]
+    # Colour codes (vLLM colours its log prefixes on some releases) would eat the kept tail.
+    output = ANSI_CODES.sub("", proc.stdout + proc.stderr)[-6000:]
     if proc.returncode != 0 or not out_path.exists():
         return None, output
     return torch.load(out_path, weights_only=False), output
