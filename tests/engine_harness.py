@@ -22,6 +22,7 @@ LAYER_IDS = [2, 0, 3]  # deliberately unsorted: hidden_states[k] must be layer L
 MAX_MODEL_LEN = 256
 CHUNK_BUDGET = 64
 ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
+ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 33, 40, 48, 57, 64, 80, 97, 120, 150]
 
 
@@ -113,8 +114,11 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
         text=True,
         timeout=900,
     )
-    # Colour codes (vLLM colours its log prefixes on some releases) would eat the kept tail.
-    output = ANSI_CODES.sub("", proc.stdout + proc.stderr)[-6000:]
+    # Colour codes (vLLM colours its log prefixes on some releases) would eat the kept tail, and a
+    # worker's root error can lie before the last 6000 characters: the first error line is kept last.
+    text = ANSI_CODES.sub("", proc.stdout + proc.stderr)
+    first_error = next((line.strip() for line in text.splitlines() if ERROR_LINE.search(line)), None)
+    output = text[-6000:] + (f"\nfirst error: {first_error}" if first_error else "")
     if proc.returncode != 0 or not out_path.exists():
         return None, output
     return torch.load(out_path, weights_only=False), output
