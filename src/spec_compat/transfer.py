@@ -31,6 +31,7 @@ import ctypes
 import fcntl
 import itertools
 import logging
+import math
 import mmap
 import os
 import re
@@ -436,10 +437,7 @@ class DriverMappings:
 
         def view(ref: TensorRef) -> Any:
             dtype = getattr(torch, ref.dtype)
-            count = 1
-            for dim in ref.shape:
-                count *= dim
-            size = count * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(ref.shape) * dtype.itemsize
             return base[ref.offset : ref.offset + size].view(dtype).view(ref.shape)
 
         return _substitute(states.template, view)

@@ -290,13 +290,10 @@ def make_executor_class(base: type) -> type:
 
         def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
             speculators_rpc = isinstance(method, str) and method in self.extension_methods
-            if not speculators_rpc:
-                return self._collective_rpc(method, *args, **kwargs)
-            with _OWN_RPC_TIME.around():
-                return self._collective_rpc(method, *args, **kwargs)
+            with _OWN_RPC_TIME.around() if speculators_rpc else contextlib.nullcontext():
+                return self._collective_rpc(speculators_rpc, method, *args, **kwargs)
 
-        def _collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-            speculators_rpc = isinstance(method, str) and method in self.extension_methods
+        def _collective_rpc(self, speculators_rpc: bool, method: Any, *args: Any, **kwargs: Any) -> Any:
             reply_rank = kwargs.get("unique_reply_rank")
             if speculators_rpc and reply_rank is not None and self.all_ranks_reply:
                 kwargs["unique_reply_rank"] = None
@@ -329,14 +326,12 @@ def make_executor_class(base: type) -> type:
             """Replace shared-memory descriptors by the tensors they describe; count checked replies."""
             if isinstance(result, list) and any(isinstance(r, _STATE_REPLIES) for r in result):
                 return [self._received_states(r) for r in result]
-            if isinstance(result, transfer.SharedStates):
+            if isinstance(result, _STATE_REPLIES):
                 timing.add_all(result.timings)
-                with _OWN_RPC_TIME.excluded(), timing.timed("transfer:driver-map"):
-                    opened = self.transfer_mappings.open(result)
                 self.states_replies["verified" if result.all_finite else "unverified"] += 1
-                return opened
-            if isinstance(result, transfer.InlineStates):
-                timing.add_all(result.timings)
+                if isinstance(result, transfer.SharedStates):
+                    with _OWN_RPC_TIME.excluded(), timing.timed("transfer:driver-map"):
+                        return self.transfer_mappings.open(result)
                 if self.transfer_fallback_reason is None:
                     self.transfer_fallback_reason = result.reason
                     logger.warning(
@@ -344,7 +339,6 @@ def make_executor_class(base: type) -> type:
                         "(slower): %s",
                         result.reason,
                     )
-                self.states_replies["verified" if result.all_finite else "unverified"] += 1
                 return result.value
             if result is not None and transfer.flatten(result)[1]:
                 self.states_replies["unverified"] += 1
