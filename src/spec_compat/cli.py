@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--dtype", default=None, help="model dtype (default: speculators' 'auto')")
     extract.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved hidden states")
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    extract.add_argument(
+        "--zip-crc32",
+        action="store_true",
+        help="let torch.save compute each record's zip CRC32 (off: torch.load never checks it; the manifest's sha256 is the check)",
+    )
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from .doctor import run
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 save_dtype=args.save_dtype,
                 gpu_memory_utilization=args.gpu_memory_utilization,
+                zip_crc32=args.zip_crc32,
             )
         )
     parser.error(f"unknown command {args.command}")

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils.serialization
 
 from spec_compat import extract
 
@@ -69,3 +70,24 @@ def test_a_failed_write_stops_and_loses_no_recorded_sample(tmp_path: Path, monke
     saved = json.loads((tmp_path / "manifest.json").read_text())["samples"]
     assert sorted(map(int, saved)) == [0, 1], "a batch is recorded only when all of its files are written"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_files_without_zip_crc_load_equal_and_the_sha256_still_catches_a_flipped_byte(tmp_path: Path) -> None:
+    import zipfile
+
+    payload = _payload(64, 1.5)
+    before = torch.utils.serialization.config.save.compute_crc32
+    try:
+        assert extract.disable_zip_crc32()
+        name, _, digest = extract.write_sample(tmp_path, 0, payload)
+    finally:
+        torch.serialization.set_crc32_options(before)
+    path = tmp_path / name
+    assert {info.CRC for info in zipfile.ZipFile(path).infolist()} == {0}  # the pass really was skipped
+    loaded = torch.load(path)
+    assert torch.equal(loaded["hidden_states"][0], payload["hidden_states"][0])
+    assert extract.sha256_of(path) == digest
+    data = bytearray(path.read_bytes())
+    data[data.find(payload["hidden_states"][0].numpy().tobytes()) + 5] ^= 0x01
+    path.write_bytes(data)
+    assert extract.sha256_of(path) != digest  # what a rerun checks (torch.load itself would not notice)
