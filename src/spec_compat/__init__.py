@@ -102,6 +102,20 @@ def _run_side(ctx: Context, side: str, report: Report, patcher: Patcher | None) 
             adapter.apply(ctx, patcher)
 
 
+# Import-side decisions made by apply_before_import() (spec-compat run's hook, at speculators'
+# first import); apply() / apply_in_worker() / plan() report them instead of probing again.
+_early_import: Report | None = None
+
+
+def _run_import_side(ctx: Context, report: Report, patcher: Patcher | None) -> None:
+    early = _early_import
+    if early is not None:  # the hook's import-side patches are live in this process
+        report.decisions.extend(early.decisions)
+        report.problems.extend(early.problems)
+        return
+    _run_side(ctx, "import", report, patcher)
+
+
 def _load_speculators(ctx: Context, report: Report) -> bool:
     from .adapters import speculators_code
 
@@ -121,7 +135,7 @@ def _build(options: Options, patcher: Patcher, keep_patches: bool) -> Report:
     if env.vllm_distribution is None:
         report.problems.append("vLLM is not installed")
         return report
-    _run_side(ctx, "import", report, patcher)
+    _run_import_side(ctx, report, patcher)
     if _load_speculators(ctx, report):
         _run_side(ctx, "worker", report, patcher)
         _run_side(ctx, "driver", report, patcher if keep_patches else None)
@@ -151,7 +165,7 @@ def apply(
     ``worker_log_level``: e.g. "INFO" to see speculators' worker log lines from every TP worker,
     prefixed with the rank (also ``SPEC_COMPAT_WORKER_LOG_LEVEL``).
     """
-    global _report
+    global _report, _early_import
     from .registry import BY_ID
 
     unknown = sorted(set(disable) - set(BY_ID))
@@ -164,10 +178,12 @@ def apply(
         if _report is not None and _report.options == options:
             report = _report
         else:
-            if _report is not None:
+            if _report is not None or (_early_import is not None and _early_import.options.disable != options.disable):
                 _patcher.revert()
+                _early_import = None
             report = _build(options, _patcher, keep_patches=True)
             _report = report
+            _early_import = None
     if strict and not report.ok:
         raise IncompatibleError("spec_compat cannot make this environment compatible:\n" + str(report))
     return report
@@ -175,10 +191,11 @@ def apply(
 
 def revert() -> list[str]:
     """Undo every patch apply() made; returns the patched targets, last applied first."""
-    global _report
+    global _report, _early_import
     with _lock:
         undone = _patcher.revert()
         _report = None
+        _early_import = None
     return [f"{p.adapter_id}: {p.target}" for p in undone]
 
 
@@ -212,7 +229,7 @@ def apply_in_worker(options_json: str) -> Report:
         ctx = Context(env=env, options=options)
         if _report is None:
             report = Report(env=env, options=options)
-            _run_side(ctx, "import", report, _patcher)
+            _run_import_side(ctx, report, _patcher)
             ctx.worker = speculators_code.import_worker()
             _run_side(ctx, "worker", report, _patcher)
         else:
@@ -226,3 +243,25 @@ def apply_in_worker(options_json: str) -> Report:
         _worker_process_applied = True
         _report = report
         return report
+
+
+def apply_before_import() -> Report:
+    """Only the import-side adapters (what ``import speculators`` itself needs), options from the
+    environment; speculators is not imported. ``spec-compat run``'s hook calls it when a process
+    first imports speculators, so that a process which never builds a generator (a spawned vLLM
+    worker re-importing its parent's ``__main__``, a training script) pays for nothing else. A
+    later apply() or apply_in_worker() keeps these patches and reports them. Idempotent."""
+    global _early_import
+    with _lock:
+        if _report is not None:
+            return _report
+        if _early_import is None:
+            options = Options.from_env()
+            env = detect()
+            report = Report(env=env, options=options)
+            if env.vllm_distribution is None:
+                report.problems.append("vLLM is not installed")
+            else:
+                _run_side(Context(env=env, options=options), "import", report, _patcher)
+            _early_import = report
+        return _early_import

@@ -41,9 +41,29 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument(
         "--zip-crc32",
         action="store_true",
-        help="let torch.save compute each record's zip CRC32 (off: torch.load never checks it; the manifest's sha256 is the check)",
+        help="let torch.save compute each record's zip CRC32 "
+        "(off: torch.load never checks it; the manifest's sha256 is the check)",
     )
+    run_cmd = commands.add_parser(
+        "run",
+        help="run COMMAND (and every Python process it starts) with spec_compat applied",
+        usage="spec-compat run [--dtype D] [--disable IDS] [--worker-log-level L] [--strict] -- COMMAND [ARGS ...]",
+    )
+    run_cmd.add_argument("--dtype", default=None, help="model dtype (SPEC_COMPAT_DTYPE; default: speculators' 'auto')")
+    run_cmd.add_argument("--disable", default="", help="comma-separated adapter ids to leave out (SPEC_COMPAT_DISABLE)")
+    run_cmd.add_argument("--worker-log-level", default=None, help="e.g. INFO: speculators' worker log lines, per rank")
+    run_cmd.add_argument("--strict", action="store_true", help="fail if anything cannot be made compatible")
+    run_cmd.add_argument("argv", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from . import launcher
+
+        disable = [x.strip() for x in args.disable.split(",") if x.strip()]
+        problem = launcher.check_options(args.dtype, disable, args.worker_log_level)
+        if problem:
+            run_cmd.error(problem)
+        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        return launcher.run(command, args.dtype, disable, args.worker_log_level, args.strict)
     if args.command == "doctor":
         from .doctor import run
 

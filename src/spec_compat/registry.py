@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .adapters import driver_calls, executor, generate, imports, kv_cache, worker, worker_process
+from .adapters import driver_calls, executor, generate, imports, kv_cache, lifecycle, worker, worker_process
 from .adapters.probe import Probe
 from .options import Context
 from .patching import Patcher
@@ -478,6 +478,21 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="never",
         probe=generate.probe_input_validation,
         apply=generate.apply_input_validation,
+    ),
+    Adapter(
+        id="shutdown-at-exit",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.__init__ (each generator tracked by a weak reference), "
+        "VllmHiddenStatesGenerator.__del__ (nothing left to do once shut down at exit); an atexit handler, "
+        "registered at the first generator, that shuts down the live generators' executors",
+        why="every run ended with `Exception ignored in: <function VllmHiddenStatesGenerator.__del__> ... "
+        "AttributeError: 'NoneType' object has no attribute 'warning'`: __del__ shut the engine down during "
+        "interpreter teardown, when module globals (the executor's, speculators' `log`) were already None",
+        vllm_change="none: speculators shuts its engine down only from __del__ (0.3.0 and 0.4.x)",
+        detect="always (the reason says whether the generator class defines __del__)",
+        delete_when="speculators shuts the engine down itself (a close() / context manager, or its own atexit)",
+        probe=lifecycle.probe_shutdown_at_exit,
+        apply=lifecycle.apply_shutdown_at_exit,
     ),
 )
 
