@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .detect import Environment, detect
-from .errors import IncompatibleError, ResultContractError, SpecCompatError, WorkerError
+from .errors import EngineStopped, IncompatibleError, ResultContractError, SpecCompatError, WorkerError, WorkerTimeout
 from .options import Context, Options
 from .patching import Patcher
 from .preflight import Finding
@@ -20,11 +20,13 @@ from .timing import reset_timings, timings
 __version__ = "0.1.0"
 __all__ = [
     "AdapterDecision",
+    "EngineStopped",
     "IncompatibleError",
     "Report",
     "ResultContractError",
     "SpecCompatError",
     "WorkerError",
+    "WorkerTimeout",
     "apply",
     "plan",
     "reset_timings",
@@ -155,6 +157,7 @@ def apply(
     check_results: bool = True,
     disable: Iterable[str] = (),
     worker_log_level: str | None = None,
+    rpc_timeout_s: float | None = None,
 ) -> Report:
     """Make the installed speculators generator work on the installed vLLM. Idempotent.
 
@@ -164,6 +167,10 @@ def apply(
     ``disable``: adapter ids to leave out (also ``SPEC_COMPAT_DISABLE``), for diagnosis.
     ``worker_log_level``: e.g. "INFO" to see speculators' worker log lines from every TP worker,
     prefixed with the rank (also ``SPEC_COMPAT_WORKER_LOG_LEVEL``).
+    ``rpc_timeout_s``: deadline in seconds of every worker RPC and model step of generate() (also
+    ``SPEC_COMPAT_RPC_TIMEOUT``; default 1800, see options.DEFAULT_RPC_TIMEOUT_S). When it passes,
+    ``WorkerTimeout`` names the ranks that answered and those that did not, with their stacks and
+    process states, and the engine is shut down. The engine load has no deadline.
     """
     global _report, _early_import
     from .registry import BY_ID
@@ -172,7 +179,11 @@ def apply(
     if unknown:
         raise ValueError(f"unknown adapter ids {unknown}; known: {sorted(BY_ID)}")
     options = Options.from_env(
-        dtype=dtype, check_results=check_results, disable=tuple(disable), worker_log_level=worker_log_level
+        dtype=dtype,
+        check_results=check_results,
+        disable=tuple(disable),
+        worker_log_level=worker_log_level,
+        rpc_timeout_s=rpc_timeout_s,
     )
     with _lock:
         if _report is not None and _report.options == options:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,12 @@ class Patch:
     original: Any  # _MISSING when the attribute did not exist (an additive alias)
     replacement: Any
     item_of: str = ""  # set for a key of a mapping (sys.modules), not an attribute: the mapping's name
+    undo: Callable[[], None] | None = None  # set for a change that is not an attribute (on_revert)
 
     @property
     def target(self) -> str:
+        if self.undo is not None:
+            return self.name
         if self.item_of:
             return f"{self.item_of}[{self.name!r}]"
         owner_name = getattr(self.owner, "__name__", type(self.owner).__name__)
@@ -55,10 +58,16 @@ class Patcher:
         self.patches.append(Patch(adapter_id, mapping, key, _MISSING, value, item_of=mapping_name))
         mapping[key] = value
 
+    def on_revert(self, adapter_id: str, description: str, undo: Callable[[], None]) -> None:
+        """Record a change that is not an attribute (a signal handler, say): revert() calls ``undo``."""
+        self.patches.append(Patch(adapter_id, None, description, _MISSING, None, undo=undo))
+
     def revert(self) -> list[Patch]:
         undone = list(reversed(self.patches))
         for patch in undone:
-            if patch.item_of:
+            if patch.undo is not None:
+                patch.undo()
+            elif patch.item_of:
                 if patch.owner.get(patch.name) is patch.replacement:
                     del patch.owner[patch.name]
             elif patch.original is _MISSING:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .adapters import driver_calls, executor, generate, imports, kv_cache, lifecycle, worker, worker_process
+from .adapters import driver_calls, executor, generate, imports, kv_cache, lifecycle, watchdog, worker, worker_process
 from .adapters.probe import Probe
 from .options import Context
 from .patching import Patcher
@@ -165,6 +165,20 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="vLLM transports exception type and traceback from workers",
         probe=worker_process.probe_exception_transport,
         apply=worker_process.apply_exception_transport,
+    ),
+    Adapter(
+        id="worker-stack-dump",
+        side="worker-process",
+        patches="faulthandler.register(SIGUSR2, <watchdog dir>/<pid>.stack, all_threads=True), in spec_compat's "
+        "worker processes only",
+        why="a rank that never answers must say where it is stuck: the driver's hang report (WorkerTimeout) "
+        "carries every thread's Python stack of each silent rank, taken at the deadline",
+        vllm_change="none: vLLM workers have no stack-dump hook (a stuck rank is silent on every release)",
+        detect="SIGUSR2 and faulthandler.register exist; the driver's executor set SPEC_COMPAT_WATCHDOG_DIR "
+        "(executor-rpc-deadline)",
+        delete_when="vLLM reports stuck workers' stacks itself",
+        probe=watchdog.probe_worker_stack_dump,
+        apply=watchdog.apply_worker_stack_dump,
     ),
     # ---- driver side: names in speculators.data_generation.vllm_hidden_states_generator -------------
     Adapter(
@@ -322,6 +336,22 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
         probe=executor.probe_shared_memory_replies,
         apply=executor.apply_shared_memory_replies,
+    ),
+    Adapter(
+        id="executor-rpc-deadline",
+        side="driver",
+        patches="MultiprocExecutor.__init__ / collective_rpc / shutdown (timeout= on generate()'s model steps "
+        "and speculators' worker RPCs; replies counted per rank; a timeout becomes WorkerTimeout with the "
+        "silent ranks' stacks and process states, then the engine is shut down; later calls raise EngineStopped)",
+        why="speculators' RPCs pass no timeout: a rank blocked forever (tried: rank 1 inside "
+        "_get_captured_states, TP=2) left generate() waiting with no output for as long as one waited "
+        "(issue 14); vLLM's own model-step deadline (300 s) is too short for a first step without warm-up "
+        "and its TimeoutError names no rank",
+        vllm_change="none: every release's collective_rpc(timeout=) defaults to None for callers that pass none",
+        detect="collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)",
+        delete_when="vLLM gives every worker RPC a deadline and reports the stuck ranks",
+        probe=watchdog.probe_rpc_deadline,
+        apply=watchdog.apply_rpc_deadline,
     ),
     Adapter(
         id="rpc-reply-read-once",
@@ -493,6 +523,19 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators shuts the engine down itself (a close() / context manager, or its own atexit)",
         probe=lifecycle.probe_shutdown_at_exit,
         apply=lifecycle.apply_shutdown_at_exit,
+    ),
+    Adapter(
+        id="generate-signal-shutdown",
+        side="driver",
+        patches="VllmHiddenStatesGenerator.generate (SIGINT/SIGTERM handlers while it runs in the main thread, "
+        "where the caller left the defaults; the engine is shut down before KeyboardInterrupt / exit 143)",
+        why="Ctrl-C or SIGTERM in the middle of generate() left the workers mid-call (SIGTERM: the driver "
+        "killed with no cleanup); the user must not need `ps aux` to know whether anything is still running",
+        vllm_change="none: speculators' generator drives the engine itself, outside vLLM's engine-core signal handling",
+        detect="POSIX signals",
+        delete_when="speculators' generator runs on vLLM's LLM / engine core, which handles signals",
+        probe=watchdog.probe_signal_shutdown,
+        apply=watchdog.apply_signal_shutdown,
     ),
 )
 

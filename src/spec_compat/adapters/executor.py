@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import remote_errors, timing, transfer
-from ..errors import WorkerError
+from ..errors import EngineStopped, WorkerError, WorkerTimeout
 from ..options import WORKER_ENV, Context
 from ..patching import Patcher
-from . import speculators_code
+from . import speculators_code, watchdog
 from .driver_calls import _generator
 from .probe import Probe
 
@@ -250,6 +250,8 @@ def make_executor_class(base: type) -> type:
         read_once_replies = False  # a dict reply gives each entry up when it is read (driver memory)
         worker_malloc_env: tuple[tuple[str, str], ...] = ()  # glibc malloc settings for the workers started
         shared_memory_replies = False  # captured states arrive as descriptors of shared-memory segments
+        rpc_timeout_s: float | None = None  # deadline of generate()'s RPCs and model steps (None: none)
+        stopped_reason: str | None = None  # set once the engine was shut down after a failure / a signal
 
         def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
             self.step_log: list[list[tuple[str, int]]] = []
@@ -257,6 +259,16 @@ def make_executor_class(base: type) -> type:
             self.states_replies = {"verified": 0, "unverified": 0}
             self.transfer_fallback_reason: str | None = None
             env: dict[str, str] = {}
+            self.replies_read: list[int] = []  # replies read per rank (counted under a deadline)
+            self.watchdog_directory: str | None = None
+            if self.rpc_timeout_s is not None:
+                self.watchdog_directory = watchdog.make_directory()
+                weakref.finalize(self, watchdog.remove_directory, self.watchdog_directory)
+                env[watchdog.WATCHDOG_DIR_ENV] = self.watchdog_directory
+                self.deadlined_methods = watchdog.deadlined_methods(self.extension_methods)
+                # vLLM's own model-step deadline is replaced (too short for a first step without
+                # warm-up) unless the user set it.
+                self.keep_step_timeout = watchdog.STEP_TIMEOUT_ENV in os.environ
             if self.shared_memory_replies:
                 directory = transfer.make_directory()
                 weakref.finalize(self, transfer.remove_directory, directory)
@@ -278,6 +290,9 @@ def make_executor_class(base: type) -> type:
             with _scoped_environ(env), entry_point:
                 super().__init__(vllm_config, *args, **kwargs)
             _EXECUTORS[id(vllm_config)] = self
+            self.replies_read = [0] * len(getattr(self, "response_mqs", None) or [])
+            if self.rpc_timeout_s is not None:
+                watchdog.count_replies(self.response_mqs, self.replies_read)
             if self.resolve_kv_layout:
                 self._resolve_kv_cache_layout()
 
@@ -294,12 +309,32 @@ def make_executor_class(base: type) -> type:
                 return self._collective_rpc(speculators_rpc, method, *args, **kwargs)
 
         def _collective_rpc(self, speculators_rpc: bool, method: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.stopped_reason is not None:
+                raise EngineStopped(self.stopped_reason)
             reply_rank = kwargs.get("unique_reply_rank")
             if speculators_rpc and reply_rank is not None and self.all_ranks_reply:
                 kwargs["unique_reply_rank"] = None
+            read_before = None
+            if (
+                self.rpc_timeout_s is not None
+                and not args  # a positional timeout
+                and isinstance(method, str)
+                and method in self.deadlined_methods
+                and kwargs.get("non_block") is not True
+            ):
+                caller = kwargs.get("timeout")
+                if caller is None or (method in watchdog.MODEL_STEPS and not self.keep_step_timeout):
+                    kwargs["timeout"] = self.rpc_timeout_s
+                else:
+                    kwargs["timeout"] = min(caller, self.rpc_timeout_s)
+                read_before = self.replies_read.copy()
             try:
                 with _OWN_RPC_TIME.excluded():
                     result = super().collective_rpc(method, *args, **kwargs)
+            except TimeoutError as exc:
+                if read_before is None:
+                    raise
+                raise self._timed_out(method, kwargs, read_before) from exc
             except Exception as exc:
                 decoded = remote_errors.decode(str(exc))
                 if decoded is not None:
@@ -344,6 +379,71 @@ def make_executor_class(base: type) -> type:
                 self.states_replies["unverified"] += 1
             return result
 
+        def _timed_out(self, method: str, kwargs: dict[str, Any], read_before: list[int]) -> WorkerTimeout:
+            """Who answered, every silent rank's stacks and process state, then the engine shut down."""
+            timeout_s = float(kwargs["timeout"])
+            handles = {h.rank: h for h in list(getattr(self, "workers", None) or [])}
+            queues = list(getattr(self, "response_mqs", None) or [])
+            reply_rank = kwargs.get("unique_reply_rank")
+            aggregated = kwargs.get("kv_output_aggregator") or kwargs.get("ec_output_aggregator")
+            asked = list(range(len(queues))) if reply_rank is None or aggregated else [reply_rank]
+            read = {r for r in asked if r < len(self.replies_read) and self.replies_read[r] > read_before[r]}
+            # Stacks first, at the deadline: every rank whose reply was not read (or was not asked for).
+            silent = {rank: h.proc.pid for rank, h in handles.items() if rank not in read}
+            stacks = watchdog.take_stacks(silent, self.watchdog_directory)
+            answered, stuck = sorted(read), []
+            for rank in asked:
+                if rank in read:
+                    continue
+                try:  # vLLM reads in rank order and stops at the first silent rank: later replies wait
+                    queues[rank].dequeue(timeout=watchdog.REPLY_PROBE_S)
+                    answered.append(rank)
+                except Exception:  # noqa: BLE001 - no reply (TimeoutError), or a queue already closed
+                    stuck.append(rank)
+            answered.sort()
+            states = {}
+            for rank, handle in sorted(handles.items()):
+                role = "answered" if rank in answered else ("NO REPLY" if rank in stuck else "not asked to reply")
+                states[rank] = f"TP rank {rank} (pid {handle.proc.pid}): {watchdog.process_state(handle.proc)}; {role}"
+            for rank in answered:
+                stacks.pop(rank, None)
+            name = f"no reply to {method!r} within {timeout_s:g} s from " + (
+                ", ".join(f"TP rank {r}" for r in stuck) or "?"
+            )
+            shutdown = self.spec_compat_stop(name, [handles[r].proc for r in stuck if r in handles])
+            error = WorkerTimeout(method, timeout_s, answered, stuck, stacks, states, shutdown)
+            logger.error("spec_compat: %s", error)
+            return error
+
+        def spec_compat_stop(self, reason: str, stuck: list[Any] | None = None) -> str:
+            """Shut the engine down for good (after a hang or a signal): no worker left; later calls
+            raise EngineStopped at once. ``stuck``: worker processes known not to answer; they get
+            SIGTERM, then SIGKILL, shortly after vLLM's shutdown began instead of after its grace
+            period. Returns what happened, for the message."""
+            self.stopped_reason = reason
+            self.is_failed = True
+            procs = [(h.rank, h.proc) for h in list(getattr(self, "workers", None) or [])]
+            started = time.monotonic()
+            problem = ""
+            if stuck:
+                watchdog.end_stuck_later(stuck)
+            try:
+                self.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the processes are checked and killed below
+                problem = f" (shutdown raised {type(exc).__name__}: {exc})"
+            left = []
+            for rank, proc in procs:
+                proc.join(timeout=max(0.0, 10.0 - (time.monotonic() - started)))
+                if proc.exitcode is None:
+                    proc.kill()
+                    proc.join(timeout=5.0)
+                if proc.exitcode is None:
+                    left.append(f"TP rank {rank} (pid {proc.pid})")
+            seconds = time.monotonic() - started
+            if left:
+                return f"the engine was shut down in {seconds:.1f} s{problem}; STILL RUNNING: {', '.join(left)}"
+            return f"the engine was shut down in {seconds:.1f} s{problem}, no worker process left"
+
         def _drain_replies_after(self, failed_rank: int) -> None:
             # vLLM reads replies in rank order and stops at the first failure: the replies of the
             # later ranks stay queued and would be taken as the answers to the *next* RPC.
@@ -368,6 +468,9 @@ def make_executor_class(base: type) -> type:
                 if directory:
                     self.transfer_mappings.close()
                     transfer.remove_directory(directory)
+                watchdog_directory = getattr(self, "watchdog_directory", None)
+                if watchdog_directory:
+                    watchdog.remove_directory(watchdog_directory)
 
         def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self.step_log.append([(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()])

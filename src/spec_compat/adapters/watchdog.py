@@ -1,0 +1,347 @@
+"""Never a silent wait: RPC deadlines with a hang report, and SIGINT/SIGTERM during generate().
+
+Three registry adapters use this module:
+
+``executor-rpc-deadline`` (driver): spec_compat's executor passes a deadline (``rpc_timeout_s``) as
+vLLM's own ``collective_rpc(timeout=...)`` for the model steps and speculators' worker RPCs of
+generate(); vLLM's message queues wait on it themselves (no watchdog thread, no thread hop per
+call). When it passes, the executor works out which ranks answered (it counts the replies read from
+each rank's response queue), signals the others for their Python stacks, records every worker's
+process state, shuts the engine down and raises ``WorkerTimeout``.
+
+``worker-stack-dump`` (worker-process): each worker started by that executor registers
+``faulthandler`` on SIGUSR2, writing every thread's stack to ``<watchdog dir>/<pid>.stack``.
+faulthandler's handler is C code run at signal delivery, so it answers even when the worker's
+Python code is blocked in a C call. Where no dump arrives, ``py-spy dump`` is used if installed.
+
+``generate-signal-shutdown`` (driver): while generate() runs in the main thread, SIGINT and SIGTERM
+(where the caller left their default handlers) stop it at once, shut the engine down (no worker
+left) and then raise KeyboardInterrupt / exit with 128 + 15; a second signal kills the workers and
+exits immediately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+from typing import Any
+
+from ..options import Context
+from ..patching import Patcher
+from .probe import Probe
+
+WATCHDOG_DIR_ENV = "SPEC_COMPAT_WATCHDOG_DIR"  # set while spec_compat's executor starts its workers
+STACK_SIGNAL: int | None = getattr(signal, "SIGUSR2", None)
+MODEL_STEPS = frozenset({"execute_model", "sample_tokens"})
+SETUP_PREFIX = "_setup"  # speculators' capture set-up RPCs run during the engine load: no deadline
+STEP_TIMEOUT_ENV = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"  # vLLM's own deadline of its model steps
+STACK_WAIT_S = 3.0  # how long the driver waits for the stack dumps
+REPLY_PROBE_S = 0.5  # a rank whose reply was not read yet: is one queued behind a stuck rank?
+PY_SPY_TIMEOUT_S = 20.0
+STUCK_TERM_AFTER_S = 1.0  # silent ranks get SIGTERM this long after the engine's shutdown began
+
+
+# ---- per-executor directory -------------------------------------------------------------------------
+
+
+def make_directory() -> str:
+    return tempfile.mkdtemp(prefix="spec_compat-watchdog-")
+
+
+def remove_directory(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def deadlined_methods(extension_methods: frozenset[str]) -> frozenset[str]:
+    """The RPCs generate() drives: vLLM's model steps and speculators' worker methods, less the
+    capture set-up (part of the engine load, which is never cut short)."""
+    return MODEL_STEPS | frozenset(m for m in extension_methods if not m.startswith(SETUP_PREFIX))
+
+
+def count_replies(queues: Sequence[Any], counts: list[int]) -> None:
+    """``counts[rank] += 1`` for every reply read from ``queues[rank]`` (their ``dequeue``).
+
+    The wrapper holds its queue weakly: a reference cycle would leave the queue's zmq context to the
+    cyclic garbage collector, where pyzmq can block forever in ``Context.term()``."""
+    for rank, queue in enumerate(queues):
+        original = vars(queue).get("dequeue")
+        if original is None:
+            unbound = type(queue).dequeue
+            ref = weakref.ref(queue)
+
+            def dequeue(*args: Any, _rank: int = rank, _unbound: Any = unbound, _ref: Any = ref, **kwargs: Any) -> Any:
+                reply = _unbound(_ref(), *args, **kwargs)
+                counts[_rank] += 1
+                return reply
+
+        else:
+
+            def dequeue(*args: Any, _rank: int = rank, _original: Any = original, **kwargs: Any) -> Any:
+                reply = _original(*args, **kwargs)
+                counts[_rank] += 1
+                return reply
+
+        queue.dequeue = dequeue
+
+
+# ---- process states and stacks ----------------------------------------------------------------------
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def process_state(proc: Any) -> str:
+    """alive (psutil's status) / zombie / exited with code N / killed by signal N."""
+    pid = proc.pid
+    try:
+        import psutil
+
+        try:
+            status = psutil.Process(pid).status()
+        except psutil.NoSuchProcess:
+            status = None
+        if status == psutil.STATUS_ZOMBIE:
+            return "zombie (exited, not reaped yet)"
+        if status is not None:
+            return f"alive ({status})"
+    except ImportError:
+        try:
+            with open(f"/proc/{pid}/status") as handle:
+                state = next((line.split(None, 1)[1].strip() for line in handle if line.startswith("State:")), "?")
+            return "zombie (exited, not reaped yet)" if state.startswith("Z") else f"alive ({state})"
+        except OSError:
+            pass
+    code = proc.exitcode
+    return "gone (no exit code)" if code is None else describe_exit(code)
+
+
+def py_spy_dump(pid: int) -> str | None:
+    tool = shutil.which("py-spy")
+    if tool is None:
+        return None
+    try:
+        done = subprocess.run(
+            [tool, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 and done.stdout.strip() else None
+
+
+def take_stacks(targets: dict[int, int], directory: str | None) -> dict[int, str]:
+    """{rank: every thread's Python stack now} for ``targets`` ({rank: pid}): SIGUSR2 to each, then
+    read what its faulthandler appended to ``<directory>/<pid>.stack`` (py-spy where none came)."""
+    pending: dict[int, tuple[str, int]] = {}
+    stacks: dict[int, str] = {}
+    for rank, pid in targets.items():
+        path = os.path.join(directory, f"{pid}.stack") if directory else ""
+        if not path or not os.path.exists(path) or STACK_SIGNAL is None:
+            continue
+        start = os.path.getsize(path)
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            continue
+        pending[rank] = (path, start)
+    deadline = time.monotonic() + STACK_WAIT_S
+    last: dict[int, int] = {}
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for rank, (path, start) in list(pending.items()):
+            size = os.path.getsize(path)
+            if size > start and last.get(rank) == size:  # written, and not growing any more
+                with open(path, "rb") as handle:
+                    handle.seek(start)
+                    stacks[rank] = handle.read().decode("utf-8", "replace")
+                del pending[rank]
+            last[rank] = size
+    for rank, pid in targets.items():
+        if rank not in stacks:
+            stacks[rank] = py_spy_dump(pid) or (
+                "(no stack: the process did not answer SIGUSR2 within "
+                f"{STACK_WAIT_S:g} s, or the worker-stack-dump adapter is not active in it; py-spy not installed)"
+            )
+    return stacks
+
+
+# ---- worker side: faulthandler on SIGUSR2 -----------------------------------------------------------
+
+
+def probe_worker_stack_dump(ctx: Context) -> Probe:
+    if STACK_SIGNAL is None or not hasattr(faulthandler, "register"):
+        return Probe(False, "no SIGUSR2 / faulthandler.register on this platform")
+    if not os.environ.get(WATCHDOG_DIR_ENV):
+        return Probe(False, "this worker's executor has no RPC deadline (executor-rpc-deadline)")
+    return Probe(True, "a worker that never answers must show where it is stuck: its stacks on SIGUSR2")
+
+
+def apply_worker_stack_dump(ctx: Context, patcher: Patcher) -> None:
+    assert STACK_SIGNAL is not None
+    stack_signal = STACK_SIGNAL
+    path = os.path.join(os.environ[WATCHDOG_DIR_ENV], f"{os.getpid()}.stack")
+    handle = open(path, "a")  # noqa: SIM115 - faulthandler writes to it for the life of the process
+    faulthandler.register(stack_signal, file=handle, all_threads=True, chain=False)
+
+    def undo() -> None:
+        faulthandler.unregister(stack_signal)
+        handle.close()
+
+    patcher.on_revert("worker-stack-dump", f"faulthandler.register(SIGUSR2, {path})", undo)
+
+
+# ---- driver side: the executor's deadline -----------------------------------------------------------
+
+
+def probe_rpc_deadline(ctx: Context) -> Probe:
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if "timeout" not in inspect.signature(MultiprocExecutor.collective_rpc).parameters:
+        return Probe(False, "this vLLM's collective_rpc takes no timeout: RPCs have no deadline")
+    if "timeout" not in inspect.signature(MessageQueue.dequeue).parameters:
+        return Probe(False, "this vLLM's message queue cannot wait with a timeout: RPCs have no deadline")
+    return Probe(
+        True,
+        f"speculators' RPCs pass no timeout: a rank that never answers leaves generate() waiting forever; "
+        f"deadline {ctx.options.rpc_timeout_s:g} s (rpc_timeout_s / SPEC_COMPAT_RPC_TIMEOUT)",
+    )
+
+
+def apply_rpc_deadline(ctx: Context, patcher: Patcher) -> None:
+    from .executor import _set_flag
+
+    _set_flag(ctx, patcher, "executor-rpc-deadline", "rpc_timeout_s", ctx.options.rpc_timeout_s)
+
+
+# ---- driver side: SIGINT / SIGTERM during generate() ------------------------------------------------
+
+
+def kill_workers(executor: Any) -> None:
+    for handle in list(getattr(executor, "workers", None) or []):
+        proc = getattr(handle, "proc", None)
+        if proc is not None and proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+def end_stuck_later(procs: list[Any], term_after_s: float = STUCK_TERM_AFTER_S, kill_after_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, the processes of ranks that never answered, from a helper thread once
+    the executor's own shutdown is under way (they would not exit on vLLM's graceful request)."""
+
+    def end() -> None:
+        time.sleep(term_after_s)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        until = time.monotonic() + kill_after_s
+        while any(p.exitcode is None for p in procs) and time.monotonic() < until:
+            time.sleep(0.05)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()
+
+    threading.Thread(target=end, name="spec_compat-end-stuck-ranks", daemon=True).start()
+
+
+class SignalShutdown:
+    """While generate() runs: the first SIGINT/SIGTERM interrupts it, the engine is shut down, then
+    KeyboardInterrupt / SystemExit(128 + SIGTERM) goes on; a second one kills the workers and exits.
+
+    Only signals whose handler is still Python's default are taken over: a caller with its own
+    handler (spec-compat extract, say) keeps it, and its KeyboardInterrupt/SystemExit still shuts the
+    engine down on the way out of generate()."""
+
+    DEFAULTS: tuple[tuple[int, Any], ...] = (
+        (signal.SIGINT, signal.default_int_handler),
+        (signal.SIGTERM, signal.SIG_DFL),
+    )
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self.previous: dict[int, Any] = {}
+        self.received: int | None = None
+
+    def __enter__(self) -> SignalShutdown:
+        for signum, default in self.DEFAULTS:
+            if signal.getsignal(signum) is default:
+                self.previous[signum] = signal.signal(signum, self._first)
+        return self
+
+    def _first(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        for taken in self.previous:
+            signal.signal(taken, self._force)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def _force(self, signum: int, frame: FrameType | None) -> None:
+        os.write(2, b"spec_compat: second signal: killing the vLLM workers and exiting now\n")
+        kill_workers(self.executor)
+        os._exit(128 + signum)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if exc is not None and not isinstance(exc, Exception) and not isinstance(exc, GeneratorExit):
+                for taken in self.previous:
+                    signal.signal(taken, self._force)
+                what = signal.Signals(self.received).name if self.received is not None else type(exc).__name__
+                stop = getattr(self.executor, "spec_compat_stop", None)
+                if stop is not None and getattr(self.executor, "stopped_reason", None) is None:
+                    sys.stderr.write(
+                        f"spec_compat: {what} during generate(): shutting the engine down "
+                        "(send it again to exit at once)\n"
+                    )
+                    sys.stderr.flush()
+                    outcome = stop(f"{what} during generate()")
+                    sys.stderr.write(f"spec_compat: {outcome}\n")
+                    sys.stderr.flush()
+        finally:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
+
+
+def probe_signal_shutdown(ctx: Context) -> Probe:
+    if not hasattr(signal, "SIGTERM") or sys.platform == "win32":
+        return Probe(False, "no POSIX signals on this platform")
+    return Probe(
+        True,
+        "SIGINT/SIGTERM during generate() leave the workers mid-call (SIGTERM: killed without any cleanup); "
+        "the engine is shut down first, a second signal forces the exit",
+    )
+
+
+def apply_signal_shutdown(ctx: Context, patcher: Patcher) -> None:
+    from .generate import GeneratorMethod, _wrap_method
+
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                return original(self, *args, **kwargs)  # signal handlers live in the main thread
+            with SignalShutdown(getattr(self, "executor", None)):
+                return original(self, *args, **kwargs)
+
+        return generate
+
+    _wrap_method(ctx, patcher, "generate-signal-shutdown", "generate", make)

@@ -1,0 +1,96 @@
+"""A TP=2 rank that blocks forever inside _get_captured_states (run in a fresh interpreter).
+
+Usage: python tests/hang_cell.py MODEL_DIR RPC_TIMEOUT_S OUT_JSON
+Two engines one after the other: rank 1 (not the reply rank) blocks, then rank 0 (the reply rank).
+For each: a healthy call first (the deadline does not fire on it), the blocked call (WorkerTimeout
+expected), a later call (EngineStopped expected at once), and the worker processes left.
+The block is injected with collective_rpc(callable): functions defined here are pickled by value.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def _block_on(worker: Any, rank: int) -> None:
+    from vllm.distributed import get_tp_group
+
+    if int(get_tp_group().rank_in_group) == rank:
+
+        def blocked_forever_in_get_captured_states(*args: Any, **kwargs: Any) -> None:
+            import threading
+
+            threading.Event().wait()  # never set
+
+        worker.worker._get_captured_states = blocked_forever_in_get_captured_states
+
+
+def block_rank_0(worker: Any) -> None:
+    _block_on(worker, 0)
+
+
+def block_rank_1(worker: Any) -> None:
+    _block_on(worker, 1)
+
+
+def _capture(fn: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        fn()
+        outcome: dict[str, Any] = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - the outcome is the point
+        outcome = {
+            "raised": type(exc).__name__,
+            "is_worker_error": isinstance(exc, __import__("spec_compat").WorkerError),
+            "rank": getattr(exc, "rank", None),
+            "answered": getattr(exc, "answered", None),
+            "stuck": getattr(exc, "stuck", None),
+            "text": str(exc),
+        }
+    outcome["seconds"] = time.perf_counter() - started
+    return outcome
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return "zombie" not in handle.read()
+    except FileNotFoundError:
+        return False
+
+
+def main() -> None:
+    model, timeout_s, out_path = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    import spec_compat
+
+    spec_compat.apply(dtype="float32", rpc_timeout_s=timeout_s)
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    record: dict[str, Any] = {"timeout_s": timeout_s}
+    for name, inject in (("rank1", block_rank_1), ("rank0", block_rank_0)):
+        generator = VllmHiddenStatesGenerator(model, layer_ids=[0, 2], max_model_len=128, tensor_parallel_size=2)
+        executor = generator.executor
+        pids = [h.proc.pid for h in executor.workers]
+        case: dict[str, Any] = {"pids": pids, "watchdog_directory": executor.watchdog_directory}
+        case["healthy"] = _capture(lambda g=generator: g.generate(prompts))
+        executor.collective_rpc(inject)
+        case["blocked"] = _capture(lambda g=generator: g.generate(prompts))
+        case["later"] = _capture(lambda g=generator: g.generate(prompts))
+        case["orphans"] = [p for p in pids if _alive(p)]
+        import os
+
+        case["watchdog_directory_left"] = os.path.exists(executor.watchdog_directory)
+        record[name] = case
+        del generator, executor
+    with open(out_path, "w") as handle:
+        json.dump(record, handle)
+
+
+if __name__ == "__main__":
+    from cell_main import run
+
+    run(main)

@@ -1,0 +1,136 @@
+"""Never a silent wait (issue 14) on a real TP=2 engine: a rank blocked forever inside
+_get_captured_states (rank 1, then the reply rank 0) surfaces as WorkerTimeout naming the silent
+rank, with its Python stack, within the deadline plus the shutdown, and no worker is left; a later
+call fails at once. A driver interrupted by SIGINT / SIGTERM in the middle of generate() exits
+within seconds with its workers gone; a second SIGINT forces the exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import model_dir, record_figure, require_speculators
+
+pytestmark = pytest.mark.engine
+HERE = Path(__file__).resolve().parent
+RPC_TIMEOUT_S = 8.0
+SLACK_S = 60.0  # a shared 2-core machine: generous on top of the deadline
+SIGNAL_EXIT_LIMIT_S = 45.0
+
+
+def _env() -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(require_speculators("0.4.0.1")),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return "zombie" not in handle.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_blocked_rank_is_reported_and_the_engine_shut_down(tmp_path: Path) -> None:
+    out = tmp_path / "hang.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "hang_cell.py"), str(model_dir("qwen3_moe")), str(RPC_TIMEOUT_S), str(out)],
+        env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    record: dict[str, Any] = json.loads(out.read_text())
+    (tmp_path / "hang_report.txt").write_text(record["rank1"]["blocked"]["text"])
+    cases = ("rank1", "rank0")
+    figures = {f"{c}_{step}_s": record[c][step]["seconds"] for c in cases for step in ("blocked", "later")}
+    record_figure("hang-blocked-rank", figures | {"rpc_timeout_s": RPC_TIMEOUT_S})
+    for case, stuck, answered in (("rank1", 1, 0), ("rank0", 0, 1)):
+        result = record[case]
+        assert result["healthy"]["raised"] is None, result["healthy"]
+        blocked = result["blocked"]
+        assert blocked["raised"] == "WorkerTimeout" and blocked["is_worker_error"], blocked
+        assert blocked["stuck"] == [stuck] and blocked["answered"] == [answered] and blocked["rank"] == stuck, blocked
+        text = blocked["text"]
+        assert f"answered: TP rank {answered}; no reply: TP rank {stuck}" in text, text
+        assert f"TP rank {stuck}: Python stack at the deadline (all threads)" in text, text
+        assert "in blocked_forever_in_get_captured_states" in text and "in worker_busy_loop" in text, text
+        assert f"TP rank {stuck} (pid {result['pids'][stuck]}): alive" in text and "NO REPLY" in text, text
+        assert "no worker process left" in text, text
+        assert RPC_TIMEOUT_S <= blocked["seconds"] < RPC_TIMEOUT_S + SLACK_S, blocked["seconds"]
+        later = result["later"]
+        assert later["raised"] == "EngineStopped" and later["seconds"] < 1.0, later
+        assert "create a new VllmHiddenStatesGenerator" in later["text"], later
+        assert result["orphans"] == [] and result["watchdog_directory_left"] is False, result
+
+
+def _interrupt(tmp_path: Path, signals: list[int]) -> dict[str, Any]:
+    """Start the client, wait until generate() is in flight, send ``signals`` (the next one once the
+    shutdown message appeared); returns exit code, seconds from the first signal to exit, leftovers."""
+    out, marker, log = tmp_path / "pids.json", tmp_path / "in_generate", tmp_path / "client.log"
+    with log.open("w") as sink:
+        client = subprocess.Popen(
+            [sys.executable, str(HERE / "signal_client.py"), str(model_dir("qwen3_moe")), str(out), str(marker)],
+            env=_env(), stdout=sink, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while not marker.exists():
+                assert client.poll() is None, log.read_text()[-5000:]
+                assert time.monotonic() < deadline, "generate() never reached the slow call"
+                time.sleep(0.2)
+            time.sleep(0.5)  # the driver is now waiting for rank 0's reply
+            sent = time.monotonic()
+            client.send_signal(signals[0])
+            for signum in signals[1:]:
+                while "shutting the engine down" not in log.read_text() and client.poll() is None:
+                    time.sleep(0.05)
+                client.send_signal(signum)
+            code = client.wait(timeout=SIGNAL_EXIT_LIMIT_S + 60)
+            seconds = time.monotonic() - sent
+        finally:
+            if client.poll() is None:
+                client.kill()
+    pids = json.loads(out.read_text())
+    time.sleep(0.5)
+    return {
+        "code": code,
+        "seconds": seconds,
+        "left": [p for p in pids["workers"] if _alive(p)],
+        "log": log.read_text(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "signals", "code"),
+    [
+        ("sigterm", [signal.SIGTERM], 128 + signal.SIGTERM),
+        ("sigint", [signal.SIGINT], -signal.SIGINT),  # an uncaught KeyboardInterrupt exits by SIGINT
+        ("sigint-twice", [signal.SIGINT, signal.SIGINT], 128 + signal.SIGINT),
+    ],
+)
+def test_signal_during_generate_stops_and_leaves_no_worker(
+    tmp_path: Path, name: str, signals: list[int], code: int
+) -> None:
+    outcome = _interrupt(tmp_path, signals)
+    record_figure(f"signal-{name}", {"exit_s": outcome["seconds"], "code": outcome["code"]})
+    assert outcome["code"] == code, outcome
+    assert outcome["seconds"] < SIGNAL_EXIT_LIMIT_S, outcome
+    assert outcome["left"] == [], outcome
+    assert "shutting the engine down" in outcome["log"], outcome["log"][-3000:]
+    assert "generate() returned" not in outcome["log"], outcome["log"][-3000:]
+    if len(signals) == 1:
+        assert "no worker process left" in outcome["log"], outcome["log"][-3000:]
+    else:
+        assert "second signal: killing the vLLM workers" in outcome["log"], outcome["log"][-3000:]
