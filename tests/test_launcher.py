@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import LAYER_IDS, MAX_MODEL_LEN, model_dir, prompts, require_speculators
+from spec_compat.transfer import DIR_PREFIX
+from spec_compat.transfer import _base_directory as transfer_base
 from test_engine import TOLERANCE, _max_rel_diff, hf_reference
 
 HERE = Path(__file__).resolve().parent
@@ -231,14 +233,18 @@ def test_client_pipeline_under_launcher(tmp_path: Path, speculators: str, tp: in
     data, out, tag = _dataset(tmp_path / "data.jsonl"), tmp_path / "out", uuid.uuid4().hex
     env = _engine_env(speculators, tp, tag)
     started = time.perf_counter()
-    proc = _run(["spec-compat", "run", "--dtype", "float32", "--", "python", *_client_args(data, out, tp)], env, 600)
+    command = ["spec-compat", "run", "--dtype", "float32", "--", "python", *_client_args(data, out, tp)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=600)
     elapsed = time.perf_counter() - started
-    output = proc.stdout + proc.stderr
+    output = stdout + stderr
     assert proc.returncode == 0, output[-6000:]
-    assert "spec_compat run: spec_compat applied" in proc.stderr and "; compatible)" in proc.stderr, output[-3000:]
-    # Clean exit: the engine was shut down while the interpreter was intact, and nothing survived it.
+    assert "spec_compat run: spec_compat applied" in stderr and "; compatible)" in stderr, output[-3000:]
+    # Clean exit: the engine was shut down while the interpreter was intact, and nothing survived it
+    # (the client is the launcher's pid: exec), its shared-memory transfer directory included.
     assert "Traceback" not in output and "Exception ignored" not in output, output[-6000:]
     assert _survivors(tag) == []
+    assert not list(Path(transfer_base()).glob(f"{DIR_PREFIX}{proc.pid}-*"))
 
     all_prompts = prompts()
     reference = hf_reference("dense")
