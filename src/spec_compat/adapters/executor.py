@@ -415,18 +415,20 @@ def make_executor_class(base: type) -> type:
             logger.error("spec_compat: %s", error)
             return error
 
-        def spec_compat_stop(self, reason: str, stuck: list[Any] | None = None) -> str:
+        def spec_compat_stop(
+            self, reason: str, stuck: list[Any] | None = None, term_after_s: float = watchdog.STUCK_TERM_AFTER_S
+        ) -> str:
             """Shut the engine down for good (after a hang or a signal): no worker left; later calls
             raise EngineStopped at once. ``stuck``: worker processes known not to answer; they get
-            SIGTERM, then SIGKILL, shortly after vLLM's shutdown began instead of after its grace
-            period. Returns what happened, for the message."""
+            SIGTERM, then SIGKILL, ``term_after_s`` after vLLM's shutdown began instead of after its
+            grace period. Returns what happened, for the message."""
             self.stopped_reason = reason
             self.is_failed = True
             procs = [(h.rank, h.proc) for h in list(getattr(self, "workers", None) or [])]
             started = time.monotonic()
             problem = ""
             if stuck:
-                watchdog.end_stuck_later(stuck)
+                watchdog.end_stuck_later(stuck, term_after_s)
             try:
                 self.shutdown()
             except Exception as exc:  # noqa: BLE001 - the processes are checked and killed below

@@ -50,6 +50,7 @@ STACK_WAIT_S = 3.0  # how long the driver waits for the stack dumps
 REPLY_PROBE_S = 0.5  # a rank whose reply was not read yet: is one queued behind a stuck rank?
 PY_SPY_TIMEOUT_S = 20.0
 STUCK_TERM_AFTER_S = 1.0  # silent ranks get SIGTERM this long after the engine's shutdown began
+INTERRUPT_GRACE_S = 2.0  # after SIGINT/SIGTERM: workers still running this long into the shutdown get SIGTERM
 
 
 # ---- per-executor directory -------------------------------------------------------------------------
@@ -314,7 +315,10 @@ class SignalShutdown:
                         "(send it again to exit at once)\n"
                     )
                     sys.stderr.flush()
-                    outcome = stop(f"{what} during generate()")
+                    # A worker busy with the interrupted call would finish it first: the ones not
+                    # gone after INTERRUPT_GRACE_S of vLLM's shutdown get SIGTERM, then SIGKILL.
+                    procs = [h.proc for h in list(getattr(self.executor, "workers", None) or [])]
+                    outcome = stop(f"{what} during generate()", procs, INTERRUPT_GRACE_S)
                     sys.stderr.write(f"spec_compat: {outcome}\n")
                     sys.stderr.flush()
         finally:
