@@ -93,6 +93,21 @@ def test_signals_reach_the_command_itself() -> None:
     assert proc.wait(timeout=30) == 42
 
 
+def test_pytest_under_the_launcher(tmp_path: Path) -> None:
+    """`spec-compat run -- pytest ...`: pytest is the launched process (hooked), its exit status passes through."""
+    (tmp_path / "test_hooked.py").write_text(
+        "import os, sys\n"
+        "def test_hooked():\n"
+        "    assert os.environ['SPEC_COMPAT_RUN'] == str(os.getpid())\n"
+        "    assert any(type(f).__name__ == 'SpeculatorsImportHook' for f in sys.meta_path)\n"
+        "def test_fails():\n"
+        "    assert False\n"
+    )
+    proc = _run(["spec-compat", "run", "--", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout
+
+
 REPORT_CHILD = (
     "import json, os, sys\n"
     "print(json.dumps({'hook': [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "
