@@ -479,8 +479,10 @@ ADAPTERS: tuple[Adapter, ...] = (
     Adapter(
         id="layer-ids",
         side="driver",
-        patches="VllmHiddenStatesGenerator.__init__ (reject duplicates) and generate (requested layer order)",
-        why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k]",
+        patches="VllmHiddenStatesGenerator.__init__ and _create_vllm_config (reject duplicates, given or "
+        "speculators' default, before the weights load) and generate (requested layer order)",
+        why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k]; "
+        "speculators' default for a model under 8 layers repeats ids (6 layers: [2, 3, 3, 5])",
         vllm_change="none: speculators keeps layer ids in a frozenset",
         detect="always",
         delete_when="speculators validates and orders layer ids",

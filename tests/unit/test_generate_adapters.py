@@ -105,6 +105,21 @@ def test_layer_ids_duplicates_refused_and_long_prompts_warned(tmp_path: Path) ->
         patcher.revert()
 
 
+def test_speculators_default_layer_ids_with_repeats_are_refused_before_the_config_is_built(tmp_path: Path) -> None:
+    module, patcher, _ = _patched(tmp_path)
+    try:
+        pattern = r"speculators' default layer_ids for this model \[2, 3, 3, 5\] repeat \[3\].*--layer-ids"
+        with pytest.raises(ValueError, match=pattern):
+            module.VllmHiddenStatesGenerator("m", num_layers=6)  # the issue's 6-layer model
+        with pytest.raises(ValueError, match=r"\[2, 2, 1, 3\] repeat \[2\]"):
+            module.VllmHiddenStatesGenerator("m", num_layers=4)
+        assert module.CONFIGS_BUILT == []  # refused before anything that leads to the weights
+        assert module.VllmHiddenStatesGenerator("m", num_layers=7).layer_ids == [2, 3, 4, 6]
+        assert module.CONFIGS_BUILT == [[2, 3, 4, 6]]
+    finally:
+        patcher.revert()
+
+
 def test_unschedulable_prompts_are_refused_when_chunked_prefill_is_off(tmp_path: Path) -> None:
     module, patcher, _ = _patched(tmp_path)
     try:

@@ -159,6 +159,22 @@ def probe_layer_ids(ctx: Context) -> Probe:
     return Probe(True, "captures come back once per distinct layer, in ascending layer order")
 
 
+def layer_ids_problem(layer_ids: Sequence[Any], defaulted: bool) -> str | None:
+    """Why this selection cannot be captured as asked (None: it can); one line, says how to fix it."""
+    layer_ids = list(layer_ids)
+    source = "speculators' default layer_ids for this model" if defaulted else "layer_ids"
+    how = "pass layer_ids=[...] with distinct decoder layer ids (spec-compat extract: --layer-ids 2,5,9)"
+    bad = [x for x in layer_ids if isinstance(x, bool) or not isinstance(x, int)]
+    if bad:
+        return f"{source} {layer_ids}: {bad} are not ints; {how}"
+    if not layer_ids:
+        return f"{source} is empty: {how}"
+    duplicates = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
+    if duplicates:
+        return f"{source} {layer_ids} repeat {duplicates} (each layer is captured once: fewer tensors come back); {how}"
+    return None
+
+
 def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
     def make_init(original: GeneratorMethod) -> GeneratorMethod:
         def __init__(
@@ -166,17 +182,27 @@ def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
         ) -> None:
             if layer_ids is not None:
                 layer_ids = list(layer_ids)
-                bad = [x for x in layer_ids if isinstance(x, bool) or not isinstance(x, int)]
-                if bad:
-                    raise TypeError(f"layer_ids must be ints, got {bad}")
-                duplicates = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
-                if duplicates:
-                    raise ValueError(f"layer_ids {layer_ids} repeat {duplicates}; each layer is captured once")
-                if not layer_ids:
-                    raise ValueError("layer_ids is empty: name at least one layer")
+                problem = layer_ids_problem(layer_ids, defaulted=False)
+                if problem:
+                    raise (TypeError if "not ints" in problem else ValueError)(problem)
+            self._spec_compat_layer_ids_defaulted = layer_ids is None
             original(self, model_path, layer_ids, *args, **kwargs)
 
         return __init__
+
+    def make_create_config(original: GeneratorMethod) -> GeneratorMethod:
+        # Both speculators versions choose their default ([2, n // 2, n - 3, n - 1], which repeats
+        # ids below 8 layers) and range-check it right before building the vLLM config: the last
+        # moment before the executor loads weights at which self.layer_ids is known.
+        def _create_vllm_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            layer_ids = getattr(self, "layer_ids", None)
+            if layer_ids is not None:
+                problem = layer_ids_problem(layer_ids, getattr(self, "_spec_compat_layer_ids_defaulted", False))
+                if problem:
+                    raise ValueError(problem)
+            return original(self, *args, **kwargs)
+
+        return _create_vllm_config
 
     def make_generate(original: GeneratorMethod) -> GeneratorMethod:
         def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
@@ -195,6 +221,8 @@ def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
         return generate
 
     _wrap_method(ctx, patcher, "layer-ids", "__init__", make_init)
+    if hasattr(_generator(ctx).VllmHiddenStatesGenerator, "_create_vllm_config"):
+        _wrap_method(ctx, patcher, "layer-ids", "_create_vllm_config", make_create_config)
     _wrap_method(ctx, patcher, "layer-ids", "generate", make_generate)
 
 
