@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -162,14 +163,144 @@ def test_killed_run_resumes_without_losing_work(tmp_path: Path) -> None:
     assert not list(out.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("on_error", ["skip", "stop"])
-def test_failed_batch_is_reported(tmp_path: Path, on_error: str) -> None:
+def test_bad_lines_are_all_reported_before_the_engine_loads_and_nothing_is_written(tmp_path: Path) -> None:
     data = _dataset(tmp_path / "data.jsonl", 12, bad={5})
-    out = tmp_path / on_error
-    proc = _run(_command(data, out, "--batch-size", "4", "--on-error", on_error))
-    assert proc.returncode == 1
-    assert "batch of samples [4, 5, 6, 7] failed" in proc.stderr and "outside the vocabulary" in proc.stderr
+    with data.open("a") as handle:
+        handle.write('{"input_ids": [1, 2\n')  # line 13: cut off
+        handle.write(json.dumps({"tokens": [1, 2]}) + "\n")  # line 14: no field
+    out = tmp_path / "stop"
+    proc = _run(_command(data, out, "--batch-size", "4"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    vocab = "token id 10000 at position 0 is outside the vocabulary (size 512)"
+    assert lines[0] == f"spec-compat extract: {data}: line 6: {vocab}"
+    assert lines[1].startswith(f"spec-compat extract: {data}: line 13: not JSON (")
+    assert lines[2].startswith(f"spec-compat extract: {data}: line 14: no 'input_ids' field")
+    assert "3 bad line(s)" in lines[3] and "nothing was written" in lines[3] and len(lines) == 4
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "data.jsonl", 12, bad={5})
+    out = tmp_path / "skip"
+    proc = _run(_command(data, out, "--batch-size", "4", "--on-error", "skip"))
+    assert proc.returncode == 1, proc.stderr[-3000:]  # not everything could be extracted
     manifest = json.loads((out / "manifest.json").read_text())
-    assert sorted(map(int, manifest["failed"])) == [4, 5, 6, 7]
-    expected = [0, 1, 2, 3, 8, 9, 10, 11] if on_error == "skip" else [0, 1, 2, 3]
-    assert sorted(map(int, manifest["samples"])) == expected
+    assert manifest["invalid"] == {"5": "token id 10000 at position 0 is outside the vocabulary (size 512)"}
+    assert sorted(map(int, manifest["samples"])) == [i for i in range(12) if i != 5]
+    assert manifest["failed"] == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--layer-ids": "2,2"}, "error: --layer-ids [2, 2] repeat [2]: each layer is captured once"),
+        ({"--layer-ids": "2,9"}, "error: --layer-ids [9] outside the model's decoder layers 0..3"),
+        ({"--input": "/nonexistent/data.jsonl"}, "error: --input /nonexistent/data.jsonl: No such file or directory"),
+        ({"--model": "/nonexistent/model"}, "error: --model /nonexistent/model: cannot read its config"),
+        ({"--batch-size": "0"}, "error: --batch-size must be >= 1, got 0"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path: Path, change: dict[str, str], message: str) -> None:
+    data = _dataset(tmp_path / "data.jsonl", 3)
+    command = _command(data, tmp_path / "out")
+    for flag, value in change.items():
+        if flag in command:
+            command[command.index(flag) + 1] = value
+        else:
+            command += [flag, value]
+    proc = _run(command)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1
+
+
+
+
+def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
+    samples: dict[str, dict[str, object]] = json.loads((out / "manifest.json").read_text())["samples"]
+    for key, entry in samples.items():
+        digest = hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest()
+        assert digest == entry["sha256"], f"sample {key} is listed but its file is not complete"
+    assert not list(out.glob("*.tmp"))
+    return samples
+
+
+def _group_gone(pgid: int, wait_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_full_disk_is_one_line_keeps_what_is_done_and_a_rerun_completes(
+    full_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    data, reference = full_run
+    sizes = [p.stat().st_size for p in reference.glob("data_*.pt")]
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    size = 8 * sum(sizes) // len(sizes) + 64 * 1024  # room for a few samples and the manifest
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = mount / "out"
+        started = time.monotonic()
+        proc = _run(_command(data, out, "--batch-size", "2"))
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert re.search(rf"cannot write {re.escape(str(out))}/\S+: No space left on device", errors[0]), errors[0]
+        assert "what is done is kept: rerun to finish" in errors[0]
+        kept = _listed_files_verify(out)
+        assert 0 < len(kept) < 24, len(kept)
+        print(f"full disk: one-line error after {elapsed:.1f} s, {len(kept)} complete samples kept")
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)  # space freed
+        rerun = _run(_command(data, out, "--batch-size", "8"))
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert f"{len(kept)} done, {24 - len(kept)} to do" in rerun.stderr
+        assert len(_listed_files_verify(out)) == 24
+        whole, resumed = _load(reference), _load(out)
+        for idx in whole:
+            assert torch.allclose(whole[idx]["hidden_states"][0], resumed[idx]["hidden_states"][0], atol=1e-5), idx  # type: ignore[index]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_within_seconds_leaves_a_consistent_output_and_a_rerun_finishes(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    data = _dataset(tmp_path / "data.jsonl", 60)
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen(_command(data, out, "--batch-size", "2"), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        manifest = out / "manifest.json"
+        if manifest.exists() and len(json.loads(manifest.read_text())["samples"]) >= 4:
+            break
+        time.sleep(0.2)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    to_exit = time.monotonic() - sent
+    assert proc.returncode == 128 + signum, stderr[-3000:]
+    assert f"interrupted by {signum.name}" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert _group_gone(proc.pid), "a worker process outlived the interrupted extract"
+    kept = _listed_files_verify(out)
+    assert 4 <= len(kept) < 60
+    print(f"{signum.name}: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")
+    rerun = _run(_command(data, out, "--batch-size", "8"))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{len(kept)} done, {60 - len(kept)} to do" in rerun.stderr
+    assert sorted(map(int, _listed_files_verify(out))) == list(range(60))

@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--shard", default="0/1", help="i/N: take lines whose index %% N == i")
     extract.add_argument("--on-error", choices=["stop", "skip"], default="stop")
     extract.add_argument("--dtype", default=None, help="model dtype (default: speculators' 'auto')")
-    extract.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved hidden states")
+    extract.add_argument(
+        "--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the saved states"
+    )
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     extract.add_argument(
         "--zip-crc32",
@@ -44,6 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         help="let torch.save compute each record's zip CRC32 "
         "(off: torch.load never checks it; the manifest's sha256 is the check)",
     )
+    extract.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="do not fsync each file before the manifest lists it (faster on slow disks; a power cut may then "
+        "leave listed files incomplete, which a rerun detects by their sha256 and redoes)",
+    )
+    extract.add_argument(
+        "--conversations",
+        action="store_true",
+        help="the input is chat data (ShareGPT 'conversations' / 'messages'), tokenized and loss-masked by the "
+        "installed speculators' own preprocessing (chat template, assistant turns)",
+    )
+    extract.add_argument("--seed", type=int, default=0, help="speculators' preprocessing seed (--conversations)")
     run_cmd = commands.add_parser(
         "run",
         help="run COMMAND (and every Python process it starts) with spec_compat applied",
@@ -69,36 +84,59 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(as_json=args.json)
     if args.command == "extract":
-        from .extract import ExtractConfig, default_writer_threads, parse_shard
+        from .errors import IncompatibleError
+        from .extract import ExtractConfig, ExtractError, WriteFailed, default_writer_threads, parse_shard
         from .extract import run as run_extract
 
         try:
             layer_ids = [int(x) for x in args.layer_ids.split(",") if x.strip()]
+        except ValueError:
+            extract.error(f"--layer-ids must be comma-separated integers, got {args.layer_ids!r}")
+        try:
             shard = parse_shard(args.shard)
         except ValueError as exc:
-            parser.error(str(exc))
-        return run_extract(
-            ExtractConfig(
-                model=args.model,
-                input=args.input,
-                output=args.output,
-                layer_ids=layer_ids,
-                tensor_parallel_size=args.tp,
-                max_model_len=args.max_model_len,
-                batch_size=args.batch_size,
-                batch_tokens=args.batch_tokens,
-                writer_threads=args.writer_threads or default_writer_threads(),
-                pending_batches=args.pending_batches,
-                text_field=args.text_field,
-                ids_field=args.ids_field,
-                shard=shard,
-                on_error=args.on_error,
-                dtype=args.dtype,
-                save_dtype=args.save_dtype,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                zip_crc32=args.zip_crc32,
-            )
+            extract.error(str(exc))
+        for name in ("batch_size", "batch_tokens", "writer_threads", "pending_batches", "tp", "max_model_len"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                extract.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if args.text_field and args.conversations:
+            extract.error("--text-field and --conversations exclude each other")
+        config = ExtractConfig(
+            model=args.model,
+            input=args.input,
+            output=args.output,
+            layer_ids=layer_ids,
+            tensor_parallel_size=args.tp,
+            max_model_len=args.max_model_len,
+            batch_size=args.batch_size,
+            batch_tokens=args.batch_tokens,
+            writer_threads=args.writer_threads or default_writer_threads(),
+            pending_batches=args.pending_batches,
+            text_field=args.text_field,
+            ids_field=args.ids_field,
+            shard=shard,
+            on_error=args.on_error,
+            dtype=args.dtype,
+            save_dtype=args.save_dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            zip_crc32=args.zip_crc32,
+            fsync=not args.no_fsync,
+            conversations=args.conversations,
+            seed=args.seed,
         )
+        try:
+            return run_extract(config)
+        except WriteFailed as exc:  # the samples already listed in the manifest are complete and kept
+            print(f"spec-compat extract: error: {exc}; what is done is kept: rerun to finish", file=sys.stderr)
+            return 1
+        except ExtractError as exc:
+            print(f"spec-compat extract: error: {exc}", file=sys.stderr)
+            return 2
+        except IncompatibleError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"spec-compat extract: error: {first} (spec-compat doctor shows the whole report)", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

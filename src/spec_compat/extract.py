@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,27 @@ class Sample:
     idx: int
     input_ids: list[int]
     loss_mask: list[int] | None = None
+
+
+@dataclass
+class BadLine:
+    line: int  # 1-based line of the input file
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+class ExtractError(Exception):
+    """A problem the user fixes (input, model, output): reported as one line, exit code 2."""
+
+
+@dataclass
+class ModelFacts:
+    """What the dataset check needs from the model's config.json, read without loading weights."""
+
+    vocab_size: int | None
+    num_layers: int | None
 
 
 @dataclass
@@ -56,6 +79,9 @@ class ExtractConfig:
     save_dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.8
     zip_crc32: bool = False  # torch.save's per-record zip CRC32 (see disable_zip_crc32)
+    fsync: bool = True  # each file reaches the disk before the manifest lists it
+    conversations: bool = False  # chat data through speculators' own preprocessing (conversations.py)
+    seed: int = 0  # speculators' preprocessing shuffle seed (conversations only)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,34 +101,166 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def read_samples(config: ExtractConfig, tokenizer: Any | None) -> Iterator[Sample]:
-    """The samples of this shard; idx is the 0-based line number in the JSONL file."""
+def model_facts(model: str) -> ModelFacts:
+    """Vocabulary size and decoder layer count from the model's config (no weights, no engine)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the user's model path
+        raise ExtractError(f"--model {model}: cannot read its config ({type(exc).__name__}: {exc})") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None)
+    layers = getattr(text, "num_hidden_layers", None) or getattr(config, "num_hidden_layers", None)
+    return ModelFacts(int(vocab) if vocab else None, int(layers) if layers else None)
+
+
+def _token_ids_problem(ids: Any, field_name: str, vocab_size: int | None) -> str | None:
+    if not isinstance(ids, list):
+        return f"{field_name!r} must be a list of token ids, got {type(ids).__name__}"
+    if not ids:
+        return f"{field_name!r} is empty"
+    for position, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            return f"{field_name!r}[{position}] = {token!r} is not an integer token id"
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            return f"token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
+    return None
+
+
+def _loss_mask_problem(mask: Any, length: int) -> str | None:
+    if not isinstance(mask, list) or any(isinstance(x, bool) or x not in (0, 1) for x in mask):
+        return "'loss_mask' must be a list of 0 / 1"
+    if len(mask) != length:
+        return f"'loss_mask' has {len(mask)} entries for {length} tokens"
+    return None
+
+
+def parse_line(
+    line: str, config: ExtractConfig, tokenizer: Any | None, vocab_size: int | None
+) -> tuple[list[int], list[int] | None]:
+    """(token ids, loss mask) of one JSONL line, or ValueError with a one-line reason."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        where = "at the end of the line" if exc.pos >= len(line.rstrip()) else f"at column {exc.colno}"
+        raise ValueError(f"not JSON ({exc.msg} {where})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not a JSON object (a {type(record).__name__})")
+    if config.ids_field in record:
+        ids = record[config.ids_field]
+        field_name = config.ids_field
+    elif config.text_field and config.text_field in record:
+        text = record[config.text_field]
+        if not isinstance(text, str):
+            raise ValueError(f"{config.text_field!r} must be a string, got {type(text).__name__}")
+        assert tokenizer is not None
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        field_name = f"{config.text_field} (tokenized)"
+    else:
+        wanted = f"{config.ids_field!r}" + (f" or {config.text_field!r}" if config.text_field else "")
+        raise ValueError(f"no {wanted} field (it has {sorted(record)[:8]})")
+    problem = _token_ids_problem(ids, field_name, vocab_size)
+    if problem:
+        raise ValueError(problem)
+    mask = record.get("loss_mask")
+    if mask is not None:
+        problem = _loss_mask_problem(mask, len(ids))
+        if problem:
+            raise ValueError(problem)
+    return ids, mask
+
+
+def read_samples(
+    config: ExtractConfig, tokenizer: Any | None, vocab_size: int | None = None
+) -> tuple[list[Sample], list[BadLine]]:
+    """Every sample of this shard, each line checked (JSON, field, token ids in the vocabulary,
+    loss mask), before anything is loaded; idx is the 0-based line number of the input file."""
     shard_index, shard_count = config.shard
-    with config.input.open() as handle:
-        for idx, line in enumerate(handle):
-            if idx % shard_count != shard_index or not line.strip():
+    samples: list[Sample] = []
+    bad: list[BadLine] = []
+    try:
+        handle = config.input.open("rb")
+    except OSError as exc:
+        raise ExtractError(f"--input {config.input}: {exc.strerror or exc}") from None
+    with handle:
+        for idx, raw in enumerate(handle):
+            if idx % shard_count != shard_index or not raw.strip():
                 continue
-            record = json.loads(line)
-            if config.ids_field in record:
-                ids = record[config.ids_field]
-            elif config.text_field and config.text_field in record:
-                if tokenizer is None:
-                    raise ValueError("a text field needs the model's tokenizer")
-                ids = tokenizer(record[config.text_field], add_special_tokens=True)["input_ids"]
-            else:
-                raise ValueError(f"line {idx + 1}: no {config.ids_field!r} (or text field {config.text_field!r})")
-            yield Sample(idx, [int(t) for t in ids], record.get("loss_mask"))
+            try:
+                ids, mask = parse_line(raw.decode("utf-8"), config, tokenizer, vocab_size)
+            except UnicodeDecodeError as exc:
+                bad.append(BadLine(idx + 1, f"not UTF-8 ({exc.reason} at byte {exc.start})"))
+                continue
+            except ValueError as exc:
+                bad.append(BadLine(idx + 1, str(exc)))
+                continue
+            samples.append(Sample(idx, ids, mask))
+    return samples, bad
 
 
-def sha256_of(path: Path) -> str:
-    """Read into one reused buffer (no per-block objects); hashlib hashes it without the GIL."""
+def load_dataset(config: ExtractConfig, facts: ModelFacts) -> tuple[list[Sample], list[BadLine]]:
+    """The shard's samples and its bad lines, from token ids / text, or conversations through
+    speculators' own preprocessing (whose token ids are checked against the vocabulary too)."""
+    if config.conversations:
+        from .conversations import conversation_samples
+
+        try:
+            samples, bad = conversation_samples(config)
+        except ValueError as exc:
+            raise ExtractError(f"--conversations: {exc}") from None
+        for sample in samples:
+            problem = _token_ids_problem(sample.input_ids, "input_ids", facts.vocab_size)
+            if problem:  # the tokenizer made it: tokenizer and model do not belong together
+                raise ExtractError(
+                    f"--conversations: sample {sample.idx}: {problem}; does the tokenizer match the model?"
+                )
+        return samples, bad
+    tokenizer = None
+    if config.text_field:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except Exception as exc:  # noqa: BLE001 - the user's model path
+            raise ExtractError(
+                f"--model {config.model}: cannot load its tokenizer ({type(exc).__name__}: {exc})"
+            ) from None
+    return read_samples(config, tokenizer, facts.vocab_size)
+
+
+def check_layer_ids(layer_ids: list[int], facts: ModelFacts) -> None:
+    duplicates = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
+    if duplicates:
+        raise ExtractError(f"--layer-ids {layer_ids} repeat {duplicates}: each layer is captured once")
+    if facts.num_layers is not None:
+        outside = [x for x in layer_ids if not 0 <= x < facts.num_layers]
+        if outside:
+            raise ExtractError(
+                f"--layer-ids {outside} outside the model's decoder layers 0..{facts.num_layers - 1}"
+            )
+
+
+class WriteFailed(ExtractError):
+    """A file could not be written (no space, permission, read-only, ...): names the file."""
+
+
+def _sha256_and_sync(path: Path, sync: bool) -> str:
+    """sha256 of the file read back into one reused buffer (hashlib hashes it without the GIL);
+    with ``sync``, fsync through the same handle so the bytes are on the disk, not in the cache."""
     digest = hashlib.sha256()
     buffer = bytearray(8 << 20)
     view = memoryview(buffer)
     with path.open("rb", buffering=0) as handle:
         while count := handle.readinto(buffer):
             digest.update(view[:count])
+        if sync:
+            os.fsync(handle.fileno())
     return digest.hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    return _sha256_and_sync(path, sync=False)
 
 
 def disable_zip_crc32() -> bool:
@@ -121,10 +279,29 @@ def disable_zip_crc32() -> bool:
     return True
 
 
-def _write_json_atomic(path: Path, value: Any) -> None:
+def fsync_directory(path: Path) -> None:
+    """Make renames into ``path`` durable (a file's own fsync does not cover its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, value: Any, sync: bool = False) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as handle:
+            handle.write(json.dumps(value, indent=1, sort_keys=True))
+            if sync:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}") from None
+    if sync:
+        fsync_directory(path.parent)
 
 
 class Manifest:
@@ -167,10 +344,16 @@ class Manifest:
         for idx in indices:
             self.data["failed"][str(idx)] = error
 
-    def save(self) -> None:
-        _write_json_atomic(self.path, self.data)
+    def invalid(self, bad: list[BadLine]) -> None:
+        """Lines this run skipped as invalid (``--on-error skip``); replaced on every run."""
+        self.data["invalid"] = {str(b.line - 1): b.reason for b in bad}
+
+    def save(self, sync: bool = False) -> None:
+        """Atomically (temporary name, rename); with ``sync`` durably: a crash or power cut then
+        never leaves a manifest that lists a file whose bytes are not on the disk."""
+        _write_json_atomic(self.path, self.data, sync)
         lengths = {key: entry["num_tokens"] for key, entry in self.data["samples"].items()}
-        _write_json_atomic(self.output / LENGTHS, lengths)
+        _write_json_atomic(self.output / LENGTHS, lengths, sync)
 
 
 class Progress:
@@ -212,8 +395,10 @@ def plan_batches(lengths: list[int], max_samples: int, max_tokens: int) -> list[
     return batches
 
 
-def write_sample(output: Path, idx: int, payload: dict[str, Any]) -> tuple[str, int, str]:
-    """data_{idx}.pt, written to a temporary name and renamed; (file name, tokens, sha256).
+def write_sample(output: Path, idx: int, payload: dict[str, Any], sync: bool = True) -> tuple[str, int, str]:
+    """data_{idx}.pt: written to a temporary name, hashed, fsync'd (``sync``), renamed; returns
+    (file name, tokens, sha256). A failed write removes the temporary file and raises WriteFailed
+    naming the file, so no partial file ever carries the final name.
 
     torch.save to a path writes the tensor bytes from C++ without the GIL, and hashlib hashes
     without it: the writer threads barely compete with the engine loop for the interpreter (saving
@@ -225,12 +410,33 @@ def write_sample(output: Path, idx: int, payload: dict[str, Any]) -> tuple[str, 
     tmp = output / (name + ".tmp")
     try:
         torch.save(payload, tmp)
-        digest = sha256_of(tmp)
+        digest = _sha256_and_sync(tmp, sync)
         os.replace(tmp, output / name)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise WriteFailed(f"cannot write {output / name}: {exc.strerror or exc}") from None
+        if isinstance(exc, RuntimeError):  # torch's C++ writer: "unexpected pos 576 vs 534", no errno
+            raise WriteFailed(f"cannot write {output / name}: {_why_write_failed(output, payload, exc)}") from None
         raise
     return name, len(payload["input_ids"]), digest
+
+
+def _why_write_failed(output: Path, payload: dict[str, Any], exc: BaseException) -> str:
+    """What torch.save's error does not say: full disk, read-only, or no permission."""
+    needed = sum(t.numel() * t.element_size() for t in [payload["input_ids"], *payload["hidden_states"]])
+    try:
+        stat = os.statvfs(output)
+    except OSError:
+        return str(exc).splitlines()[0]
+    free = stat.f_bavail * stat.f_frsize
+    if stat.f_flag & os.ST_RDONLY:
+        return "Read-only file system"
+    if free < needed + (1 << 20):
+        return f"No space left on device ({free:,} bytes free, this file needs about {needed:,})"
+    if not os.access(output, os.W_OK):
+        return "Permission denied"
+    return str(exc).splitlines()[0]
 
 
 class BackgroundWriter:
@@ -240,8 +446,9 @@ class BackgroundWriter:
     manifest is only touched by the caller's thread, in batch order, once a batch's files are all
     on disk, so an interrupted run never records a sample whose file is not complete."""
 
-    def __init__(self, output: Path, manifest: Manifest, threads: int, pending: int) -> None:
+    def __init__(self, output: Path, manifest: Manifest, threads: int, pending: int, sync: bool = True) -> None:
         self.output = output
+        self.sync = sync  # fsync every file (in its writer thread) and the directory before the manifest
         self.manifest = manifest
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="spec-compat-writer")
         self.pending = max(1, pending)
@@ -252,20 +459,34 @@ class BackgroundWriter:
     def submit(self, samples: list[tuple[int, dict[str, Any]]]) -> None:
         while len(self.in_flight) >= self.pending:
             self._finish_oldest()
-        futures = [(idx, self.pool.submit(write_sample, self.output, idx, payload)) for idx, payload in samples]
+        futures = [
+            (idx, self.pool.submit(write_sample, self.output, idx, payload, self.sync))
+            for idx, payload in samples
+        ]
         self.in_flight.append(futures)
 
     def _finish_oldest(self) -> None:
         started = time.perf_counter()
         batch = self.in_flight.popleft()
+        written: list[tuple[int, tuple[str, int, str]]] = []
+        failure: BaseException | None = None
         try:
-            written = [(idx, future.result()) for idx, future in batch]
+            for idx, future in batch:
+                try:
+                    written.append((idx, future.result()))
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, after the good files are recorded
+                    failure = failure or exc
         finally:
             self.wait_s += time.perf_counter() - started
-        for idx, (name, tokens, digest) in written:
-            self.manifest.record(idx, name, tokens, digest)
-        self.manifest.save()
-        self.written_samples += len(written)
+        if written:
+            if self.sync:
+                fsync_directory(self.output)  # the renames, before the manifest names the files
+            for idx, (name, tokens, digest) in written:
+                self.manifest.record(idx, name, tokens, digest)
+            self.manifest.save(self.sync)
+            self.written_samples += len(written)
+        if failure is not None:
+            raise failure
 
     def drain(self) -> None:
         while self.in_flight:
@@ -299,7 +520,107 @@ def _provenance(config: ExtractConfig, report: Any) -> dict[str, Any]:
     }
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM during extract: unwinds to the clean-up (files of finished batches are
+    recorded, the engine is shut down); a second signal exits at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _install_signal_handlers() -> Callable[[], None]:
+    """First SIGINT/SIGTERM: raise Interrupted where the main thread is; second: kill the workers
+    and exit now. Returns the function that restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def force(signum: int, frame: Any) -> None:
+        sys.stderr.write(f"\nspec-compat extract: second {signal.Signals(signum).name}: exiting now\n")
+        _kill_children()
+        os._exit(128 + signum)
+
+    def first(signum: int, frame: Any) -> None:
+        for each in previous:
+            signal.signal(each, force)
+        raise Interrupted(signum)
+
+    for signum in previous:
+        signal.signal(signum, first)
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    return restore
+
+
+def _kill_children() -> None:
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except Exception:  # noqa: BLE001 - exiting anyway; the workers also watch their parent
+        pass
+
+
+def _engine_gone(exc: BaseException) -> bool:
+    """Errors after which the engine cannot run another batch (no point retrying samples)."""
+    from .errors import EngineStopped, WorkerError, WorkerTimeout
+
+    if isinstance(exc, (EngineStopped, WorkerTimeout)):
+        return True
+    return isinstance(exc, WorkerError) and exc.exc_type == "WorkerProcessDied"
+
+
+def generate_isolating(
+    generate: Callable[[list[list[int]]], list[dict[str, Any]]], batch: list[Sample]
+) -> tuple[list[tuple[Sample, dict[str, Any]]], list[tuple[Sample, str]]]:
+    """Run a batch; if it fails, split it in halves until each failure is one sample, so a bad
+    sample never takes the good ones of its batch with it (log2(batch) extra calls per bad sample).
+    Errors that leave no engine (a dead or silent worker) are raised as they are."""
+    try:
+        results = generate([s.input_ids for s in batch])
+    except Exception as exc:  # kept with the sample it belongs to
+        if _engine_gone(exc):
+            raise
+        if len(batch) == 1:
+            return [], [(batch[0], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")]
+        half = len(batch) // 2
+        good_a, bad_a = generate_isolating(generate, batch[:half])
+        good_b, bad_b = generate_isolating(generate, batch[half:])
+        return good_a + good_b, bad_a + bad_b
+    return list(zip(batch, results, strict=True)), []
+
+
+def _report_bad_lines(bad: list[BadLine], config: ExtractConfig) -> None:
+    for item in bad:
+        print(f"spec-compat extract: {config.input}: {item}", file=sys.stderr)
+
+
 def run(config: ExtractConfig) -> int:
+    """Check everything that can be checked before the engine loads (model config, layer ids,
+    every line of the dataset), then extract. Exit codes: 0 all done, 1 some samples failed or
+    a write failed (what is done is kept), 2 bad input (nothing written), 128 + signal."""
+    facts = model_facts(config.model)
+    check_layer_ids(config.layer_ids, facts)
+    todo_all, bad = load_dataset(config, facts)
+    if bad:
+        _report_bad_lines(bad, config)
+        if config.on_error == "stop":
+            print(
+                f"spec-compat extract: {len(bad)} bad line(s) in {config.input}; nothing was written "
+                "(fix them, or --on-error skip to extract every good sample and list these in the manifest)",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        config.output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExtractError(f"--output {config.output}: {exc.strerror or exc}") from None
+
     import spec_compat
 
     report = spec_compat.apply(strict=True, dtype=config.dtype)
@@ -307,97 +628,114 @@ def run(config: ExtractConfig) -> int:
     import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    config.output.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(config.output, _provenance(config, report))
+    try:
+        manifest = Manifest(config.output, _provenance(config, report))
+    except ValueError as exc:
+        raise ExtractError(str(exc)) from None
+    manifest.invalid(bad)
     done, problems = manifest.verified_done()
     for problem in problems:
         print(f"spec-compat extract: {problem}", file=sys.stderr)
-
-    tokenizer = None
-    if config.text_field:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
-    todo = [s for s in read_samples(config, tokenizer) if s.idx not in done]
+    todo = [s for s in todo_all if s.idx not in done]
     limit = config.max_model_len - 1
+    truncated = sum(1 for s in todo if len(s.input_ids) > limit)
     print(
-        f"spec-compat extract: shard {config.shard[0]}/{config.shard[1]}: {len(done)} done, {len(todo)} to do",
+        f"spec-compat extract: shard {config.shard[0]}/{config.shard[1]}: {len(done)} done, {len(todo)} to do"
+        + (f", {len(bad)} invalid line(s) skipped" if bad else "")
+        + (f", {truncated} longer than --max-model-len - 1 = {limit} tokens (truncated)" if truncated else ""),
         file=sys.stderr,
     )
-    manifest.save()
+    manifest.save(config.fsync)
     if not todo:
-        return 0
+        return 1 if bad else 0
 
-    started = time.perf_counter()
-    generator = VllmHiddenStatesGenerator(
-        config.model,
-        layer_ids=config.layer_ids,
-        max_model_len=config.max_model_len,
-        tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-    )
-    engine_start_s = time.perf_counter() - started
-    save_dtype = getattr(torch, config.save_dtype)
-    zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
-    lengths = [min(len(s.input_ids), limit) for s in todo]
-    max_samples = config.batch_size or int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 16)
-    batches = plan_batches(lengths, max_samples, config.batch_tokens)
-    progress = Progress(len(todo), sum(lengths))
-    writer = BackgroundWriter(config.output, manifest, config.writer_threads, config.pending_batches)
+    restore_signals = _install_signal_handlers()
+    generator: Any = None
+    writer: BackgroundWriter | None = None
     failures = 0
-    first_batch: tuple[float, int] | None = None  # (seconds until its states were handed to the writer, tokens)
-    generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
-    started = time.perf_counter()
     try:
-        for begin, end in batches:
-            batch = todo[begin:end]
-            call_started = time.perf_counter()
-            try:
-                results = generator.generate([s.input_ids for s in batch])
-            except Exception as exc:  # noqa: BLE001 - reported with the samples; the user picks stop or skip
-                failures += len(batch)
-                detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-                writer.drain()
-                manifest.fail([s.idx for s in batch], detail)
-                manifest.save()
-                print(
-                    f"\nspec-compat extract: batch of samples {[s.idx for s in batch]} failed:\n{detail}",
-                    file=sys.stderr,
-                )
-                if config.on_error == "stop":
-                    return 1
-                continue
-            prepare_started = time.perf_counter()
-            generate_s += prepare_started - call_started
-            payloads = []
-            for sample, result in zip(batch, results, strict=True):
-                ids = result["input_ids"].to(torch.long)
-                mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
-                payloads.append(
-                    (
-                        sample.idx,
-                        {
-                            "input_ids": ids,
-                            "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
-                            "loss_mask": torch.as_tensor(mask, dtype=torch.long),
-                        },
-                    )
-                )
-            del results
-            prepare_s += time.perf_counter() - prepare_started
-            writer.submit(payloads)
-            if first_batch is None:
-                first_batch = (time.perf_counter() - started, sum(lengths[begin:end]))
-            progress.update(len(batch), sum(lengths[begin:end]))
-        writer.drain()
-        extract_s = time.perf_counter() - started  # dataset to files on disk (engine start and shutdown excluded)
-    finally:
-        progress.close()
+        started = time.perf_counter()
         try:
-            writer.close()
+            generator = VllmHiddenStatesGenerator(
+                config.model,
+                layer_ids=config.layer_ids,
+                max_model_len=config.max_model_len,
+                tensor_parallel_size=config.tensor_parallel_size,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+            )
+        except (ValueError, TypeError) as exc:  # refused at construction (layer ids), before weights load
+            raise ExtractError(str(exc).splitlines()[0]) from None
+        engine_start_s = time.perf_counter() - started
+        save_dtype = getattr(torch, config.save_dtype)
+        zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
+        lengths = [min(len(s.input_ids), limit) for s in todo]
+        max_samples = config.batch_size or int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 16)
+        batches = plan_batches(lengths, max_samples, config.batch_tokens)
+        progress = Progress(len(todo), sum(lengths))
+        writer = BackgroundWriter(config.output, manifest, config.writer_threads, config.pending_batches, config.fsync)
+        first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
+        generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
+        started = time.perf_counter()
+        try:
+            for begin, end in batches:
+                batch = todo[begin:end]
+                call_started = time.perf_counter()
+                good, failed = generate_isolating(generator.generate, batch)
+                prepare_started = time.perf_counter()
+                generate_s += prepare_started - call_started
+                payloads = []
+                for sample, result in good:
+                    ids = result["input_ids"].to(torch.long)
+                    mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
+                    payloads.append(
+                        (
+                            sample.idx,
+                            {
+                                "input_ids": ids,
+                                "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
+                                "loss_mask": torch.as_tensor(mask, dtype=torch.long),
+                            },
+                        )
+                    )
+                del good
+                prepare_s += time.perf_counter() - prepare_started
+                if payloads:
+                    writer.submit(payloads)
+                if failed:
+                    failures += len(failed)
+                    writer.drain()
+                    for sample, detail in failed:
+                        manifest.fail([sample.idx], detail)
+                        print(f"\nspec-compat extract: sample {sample.idx} failed:\n{detail}", file=sys.stderr)
+                    manifest.save(config.fsync)
+                    if config.on_error == "stop":
+                        return 1
+                if first_batch is None:
+                    first_batch = (time.perf_counter() - started, sum(lengths[begin:end]))
+                progress.update(len(batch), sum(lengths[begin:end]))
+            writer.drain()
+            extract_s = time.perf_counter() - started  # dataset to files on disk (engine start and shutdown excluded)
         finally:
-            generator.executor.shutdown()
+            progress.close()
+    except Interrupted as exc:
+        if writer is not None:
+            _close_quietly(writer)
+        recorded = len(manifest.data["samples"])
+        print(
+            f"spec-compat extract: interrupted by {signal.Signals(exc.signum).name}: {recorded} sample(s) are "
+            f"complete and listed in {manifest.path}; run the same command again to extract the rest",
+            file=sys.stderr,
+        )
+        return 128 + exc.signum
+    finally:
+        try:
+            if writer is not None:
+                _close_quietly(writer)
+        finally:
+            if generator is not None:
+                generator.executor.shutdown()
             del generator  # let speculators' __del__ run now, not at interpreter teardown
+            restore_signals()
     tokens = sum(lengths)
     stats = {
         "samples": writer.written_samples,
@@ -414,9 +752,10 @@ def run(config: ExtractConfig) -> int:
         "generate_s": generate_s,
         "prepare_s": prepare_s,
         "writer_wait_s": writer.wait_s,
-        "zip_crc32": zip_crc32,
         "writer_threads": config.writer_threads,
         "pending_batches": config.pending_batches,
+        "zip_crc32": zip_crc32,
+        "fsync": config.fsync,
     }
     _write_json_atomic(config.output / STATS, stats)
     print(
@@ -425,4 +764,9 @@ def run(config: ExtractConfig) -> int:
         f"waited for the writer {writer.wait_s:.1f} s)",
         file=sys.stderr,
     )
-    return 1 if failures else 0
+    return 1 if failures or bad else 0
+
+
+def _close_quietly(writer: BackgroundWriter) -> None:
+    """close() once; a second call (the finally after an interruption) finds nothing in flight."""
+    writer.close()

@@ -50,7 +50,9 @@ def test_writer_records_batches_in_order_once_written(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_failed_write_stops_and_loses_no_recorded_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_names_the_file_and_keeps_every_complete_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     manifest = _manifest(tmp_path)
     writer = extract.BackgroundWriter(tmp_path, manifest, threads=2, pending=1)
     writer.submit([(0, _payload(2, 0.0)), (1, _payload(2, 0.0))])
@@ -65,11 +67,29 @@ def test_a_failed_write_stops_and_loses_no_recorded_sample(tmp_path: Path, monke
 
     monkeypatch.setattr(torch, "save", full_disk)
     writer.submit([(2, _payload(2, 1.0)), (3, _payload(2, 9.0))])
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(extract.WriteFailed, match=r"cannot write .*data_3\.pt: No space left on device"):
         writer.close()
     saved = json.loads((tmp_path / "manifest.json").read_text())["samples"]
-    assert sorted(map(int, saved)) == [0, 1], "a batch is recorded only when all of its files are written"
+    assert sorted(map(int, saved)) == [0, 1, 2], "sample 2's file is complete: kept; sample 3 is not listed"
+    assert not (tmp_path / "data_3.pt").exists()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_torch_writer_errors_are_explained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save's C++ writer fails a full disk with 'unexpected pos 576 vs 534' (no errno)."""
+
+    def torch_writer_failure(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", torch_writer_failure)
+    free = 10_000
+    monkeypatch.setattr(
+        extract.os, "statvfs", lambda path: type("S", (), {"f_bavail": free, "f_frsize": 1, "f_flag": 0})()
+    )
+    with pytest.raises(extract.WriteFailed, match=r"data_7\.pt: No space left on device \(10,000 bytes free"):
+        extract.write_sample(tmp_path, 7, _payload(4, 0.0))
+    assert not list(tmp_path.iterdir()), "the partial temporary file is removed"
 
 
 def test_files_without_zip_crc_load_equal_and_the_sha256_still_catches_a_flipped_byte(tmp_path: Path) -> None:

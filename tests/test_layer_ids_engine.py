@@ -1,0 +1,46 @@
+"""speculators' default layer ids on a small real model: refused before any weights load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import model_dir, require_speculators
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = """
+import sys, spec_compat
+spec_compat.apply()
+from speculators.data_generation import VllmHiddenStatesGenerator
+try:
+    VllmHiddenStatesGenerator(sys.argv[1], max_model_len=256)
+except ValueError as exc:
+    import multiprocessing
+    print("REFUSED:", exc)
+    print("CHILDREN:", len(multiprocessing.active_children()))
+"""
+
+
+@pytest.mark.parametrize("version", ["0.4.0.1", "0.3.0"])
+def test_default_layer_ids_with_repeats_are_refused_before_the_engine_starts(version: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(require_speculators(version)), VLLM_CPU_KVCACHE_SPACE="1")
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model_dir("dense"))], env=env, capture_output=True, text=True, timeout=300
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED:"))
+    # the tiny models have 4 decoder layers: speculators picks [2, 4 // 2, 4 - 3, 4 - 1]
+    assert "speculators' default layer_ids for this model [2, 2, 1, 3] repeat [2]" in refused
+    assert "--layer-ids" in refused and "layer_ids=[...]" in refused
+    assert "CHILDREN: 0" in proc.stdout  # no worker was started
+    assert "Loading weights" not in proc.stderr and "Initializing executor" not in proc.stderr
+    print(f"speculators {version}: refused {elapsed:.1f} s after start (imports included)")
