@@ -297,3 +297,46 @@ def hf_layer_outputs(model_dir: Path, token_ids: list[list[int]], layer_ids: lis
         for handle in handles:
             handle.remove()
     return results
+
+
+# A chat template for speculators' preprocessing (``spec-compat extract --conversations``). It is
+# not in build_model's tokenizer: the cached checkpoints every other test shares stay byte-for-byte
+# as they are; build_chat_model puts it in a sibling directory. ``{% generation %}`` marks the
+# assistant tokens for HF's assistant mask (speculators 0.4 uses it when present, 0.3 never does);
+# CHAT_TEMPLATE_PLAIN has no such tags (most real templates), so 0.4 detects the assistant spans
+# with its regex, as 0.3 always does.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|bos|>assistant: {% generation %}{{ message['content'] }}<|eos|>"
+    "{% endgeneration %}{% else %}<|bos|>{{ message['role'] }}: {{ message['content'] }}<|eos|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant: {% endif %}"
+)
+CHAT_TEMPLATE_PLAIN = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+CHAT_MARKER_FILE = "chat_model_build.json"
+
+
+def build_chat_model(base_dir: Path, out_dir: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """``base_dir`` (a build_model checkpoint) with ``chat_template`` in its tokenizer config.
+
+    Every other file is a symlink to the base's (same weights, same token ids); built in a sibling
+    temporary folder and renamed into place, like build_model, and reused while base and template
+    are unchanged."""
+    base_dir, out_dir = Path(base_dir).resolve(), Path(out_dir)
+    base_marker = json.loads((base_dir / MARKER_FILE).read_text())
+    marker = {"base": str(base_dir), "base_hash": base_marker["hash"], "chat_template": chat_template}
+    marker_path = out_dir / CHAT_MARKER_FILE
+    if marker_path.is_file() and json.loads(marker_path.read_text()) == marker:
+        return out_dir
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    for item in base_dir.iterdir():
+        if item.name not in ("tokenizer_config.json", MARKER_FILE):
+            (tmp_dir / item.name).symlink_to(item)
+    tokenizer_config = json.loads((base_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = chat_template
+    (tmp_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (tmp_dir / CHAT_MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp_dir.rename(out_dir)
+    return out_dir
