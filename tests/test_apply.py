@@ -28,6 +28,8 @@ def test_apply_revert_plan(speculators: str) -> None:
     assert out["planned"] == out["applied"]
     assert out["idempotent"] and out["preflight_ok"] and out["request_is_adapter"]
     assert out["revert_restores_identity"], "revert() must put back the original objects"
+    assert out["patch_ids_not_in_registry"] == [], "every recorded patch must carry its adapter's registry id"
+    assert out["applied_without_a_patch"] == [], "an applied adapter records what it patched under its own id"
     assert out["revert_removes_alias"]
     assert out["reapply_same_adapters"] and out["reapply_same_structure"]
     assert out["reverted_count"] >= 15

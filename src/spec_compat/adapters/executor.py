@@ -514,7 +514,7 @@ def probe_worker_adapters(ctx: Context) -> Probe:
 
 
 def apply_worker_adapters(ctx: Context, patcher: Patcher) -> None:
-    _set_flag(ctx, patcher, "worker-adapters", "worker_options_json", ctx.options.to_json())
+    _set_flag(ctx, patcher, "executor", "worker_options_json", ctx.options.to_json())
 
 
 # ---- collective_rpc(unique_reply_rank=k): failures on other ranks are dropped -----------------------
@@ -529,7 +529,7 @@ def probe_all_ranks_reply(ctx: Context) -> Probe:
 
 
 def apply_all_ranks_reply(ctx: Context, patcher: Patcher) -> None:
-    _set_flag(ctx, patcher, "rpc-all-ranks-reply", "all_ranks_reply", True)
+    _set_flag(ctx, patcher, "executor-all-ranks-reply", "all_ranks_reply", True)
 
 
 # ---- collective_rpc(unique_reply_rank=k) return shape -------------------------------------------------
@@ -557,7 +557,7 @@ def probe_reply_shape(ctx: Context) -> Probe:
 
 
 def apply_reply_shape(ctx: Context, patcher: Patcher) -> None:
-    _set_flag(ctx, patcher, "rpc-reply-shape", "reply_as_list", True)
+    _set_flag(ctx, patcher, "executor-reply-shape", "reply_as_list", True)
 
 
 # ---- execute_model() + sample_tokens() split (vLLM 0.11.2) -----------------------------------------
@@ -575,7 +575,7 @@ def probe_sample_tokens(ctx: Context) -> Probe:
 
 
 def apply_sample_tokens(ctx: Context, patcher: Patcher) -> None:
-    _set_flag(ctx, patcher, "execute-then-sample", "sample_after_execute", True)
+    _set_flag(ctx, patcher, "executor-sample-tokens", "sample_after_execute", True)
 
 
 # ---- KV cache layout (vLLM 0.29.0) -----------------------------------------------------------------
@@ -594,7 +594,7 @@ def probe_kv_layout(ctx: Context) -> Probe:
 
 
 def apply_kv_layout(ctx: Context, patcher: Patcher) -> None:
-    _set_flag(ctx, patcher, "kv-cache-layout", "resolve_kv_layout", True)
+    _set_flag(ctx, patcher, "executor-kv-layout", "resolve_kv_layout", True)
 
 
 # ---- Model Runner V2 has no input_batch (default from 0.22.1 on GPU) ----------------------------------
@@ -617,7 +617,7 @@ def probe_v1_model_runner(ctx: Context) -> Probe:
 
 
 def apply_v1_model_runner(ctx: Context, patcher: Patcher) -> None:
-    _set_flag(ctx, patcher, "model-runner-v1", "force_v1_model_runner", True)
+    _set_flag(ctx, patcher, "executor-model-runner-v1", "force_v1_model_runner", True)
 
 
 # ---- message-queue zmq contexts left to the garbage collector ---------------------------------------
