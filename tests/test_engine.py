@@ -35,7 +35,8 @@ from engine_harness import (
 pytestmark = pytest.mark.engine
 
 SPECULATORS = ["0.4.0.1", "0.3.0"]
-FAMILIES = ["dense", "qwen3_moe", "deepseek_v3"]
+# kimi_k25: the multimodal wrapper (KimiK25ForConditionalGeneration) around the deepseek_v3 text model.
+FAMILIES = ["dense", "qwen3_moe", "deepseek_v3", "kimi_k25"]
 TOLERANCE = 1e-3
 
 

@@ -1,7 +1,10 @@
 """Tiny random-weight checkpoints for tests, built locally (no model hub).
 
 Three families are described in ``MODEL_FAMILIES``: a dense Qwen3, a Qwen3-MoE
-and a DeepSeek-V3 (MLA + MoE). ``build_model`` writes a float32 safetensors
+and a DeepSeek-V3 (MLA + MoE); ``WRAPPER_FAMILIES`` adds multimodal wrappers
+around one of them (``kimi_k25``: Kimi-K2.5, a vision tower + projector around
+the DeepSeek-V3 text model, its text weights the ``deepseek_v3`` family's own).
+``build_model`` writes a float32 safetensors
 checkpoint with a byte-level BPE tokenizer that ``AutoTokenizer`` loads
 offline; ``hf_layer_outputs`` gives the HF transformers reference output of
 chosen decoder layers.
@@ -35,9 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     PretrainedConfig,
@@ -157,6 +163,114 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 }
 
 
+@dataclass(frozen=True)
+class WrapperFamily:
+    """A multimodal wrapper checkpoint around the text model of ``text_family``.
+
+    ``config`` is the wrapper's config.json minus ``text_config`` (the text family's config goes
+    there); ``vision_weights`` gives every non-text tensor's shape under the names vLLM's loader
+    reads (the original checkpoint layout, which HF's loader converts itself); ``text_prefix``
+    is put before every text-model tensor name; ``files`` are extra JSON files (image processor)."""
+
+    text_family: str
+    architecture: str
+    config: dict[str, Any]
+    vision_weights: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
+    text_prefix: str
+    files: dict[str, dict[str, Any]]
+
+
+def _kimi_k25_vision_weights(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    vision = config["vision_config"]
+    dim, mlp, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    merged = dim * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (dim, 3, patch, patch),
+        "vision_tower.patch_embed.proj.bias": (dim,),
+        "vision_tower.patch_embed.pos_emb.weight": (vision["pos_emb_height"], vision["pos_emb_width"], dim),
+        "vision_tower.encoder.final_layernorm.weight": (dim,),
+        "vision_tower.encoder.final_layernorm.bias": (dim,),
+        "mm_projector.pre_norm.weight": (dim,),
+        "mm_projector.pre_norm.bias": (dim,),
+        "mm_projector.proj.0.weight": (merged, merged),
+        "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (config["_text_hidden_size"], merged),
+        "mm_projector.proj.2.bias": (config["_text_hidden_size"],),
+    }
+    for i in range(vision["num_hidden_layers"]):
+        block = f"vision_tower.encoder.blocks.{i}"
+        for name, shape in {
+            "norm0": (dim,),
+            "norm1": (dim,),
+            "wqkv": (3 * dim, dim),
+            "wo": (dim, dim),
+            "mlp.fc0": (mlp, dim),
+            "mlp.fc1": (dim, mlp),
+        }.items():
+            shapes[f"{block}.{name}.weight"] = shape
+            shapes[f"{block}.{name}.bias"] = (shape[0],)
+    return shapes
+
+
+# Token ids the wrapper reserves for media; above every id the tests' prompts use (3..499).
+_KIMI_MEDIA_IDS = {
+    "image_token_id": 511,
+    "video_token_id": 510,
+    "vision_start_token_id": 509,
+    "vision_end_token_id": 508,
+}
+
+WRAPPER_FAMILIES: dict[str, WrapperFamily] = {
+    "kimi_k25": WrapperFamily(
+        text_family="deepseek_v3",
+        architecture="KimiK25ForConditionalGeneration",
+        config={
+            "model_type": "kimi_k25",
+            # The smallest vision tower the configs take: one block, 2 heads of 16, a 4x4 position grid.
+            "vision_config": {
+                "model_type": "kimi_k25_vision",
+                "patch_size": 14,
+                "pos_emb_height": 4,
+                "pos_emb_width": 4,
+                "pos_emb_time": 1,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "hidden_act": "gelu_pytorch_tanh",
+                "merge_kernel_size": [2, 2],
+                "projector_ln_eps": 1e-5,
+            },
+            "projection_hidden_size": 32,
+            "projection_layer_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            **_KIMI_MEDIA_IDS,
+        },
+        vision_weights=_kimi_k25_vision_weights,
+        text_prefix="language_model.",
+        files={
+            # vLLM's Kimi-K2.5 image processor reads media_proc_cfg; a small patch limit keeps the
+            # dummy image of its profiling run (3000x3000) to a few patches.
+            "preprocessor_config.json": {
+                "image_processor_type": "KimiK25FusedVisionProcessor",
+                "media_proc_cfg": {
+                    "patch_size": 14,
+                    "merge_kernel_size": 2,
+                    "in_patch_limit": 64,
+                    "in_patch_limit_each_frame": 64,
+                    "in_patch_limit_video": 64,
+                    "patch_limit_on_one_side": 16,
+                    "fixed_output_tokens": None,
+                    "temporal_merge_kernel_size": 1,
+                    "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5],
+                },
+            },
+        },
+    ),
+}
+
+
 def _build_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE covering exactly ``VOCAB_SIZE`` ids, specials first."""
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -187,6 +301,18 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _build_hash(family: str, seed: int) -> str:
+    if family in WRAPPER_FAMILIES:
+        wrapper = WRAPPER_FAMILIES[family]
+        wrapper_payload = {
+            "build_version": BUILD_VERSION,
+            "family": family,
+            "text": _build_hash(wrapper.text_family, seed),
+            "architecture": wrapper.architecture,
+            "config": wrapper.config,
+            "text_prefix": wrapper.text_prefix,
+            "files": wrapper.files,
+        }
+        return hashlib.sha256(json.dumps(wrapper_payload, sort_keys=True).encode()).hexdigest()
     spec = MODEL_FAMILIES[family]
     payload = {
         "build_version": BUILD_VERSION,
@@ -219,19 +345,7 @@ def config_kwargs_for_installed_transformers(spec: ModelFamily) -> dict[str, Any
     return kwargs
 
 
-def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write a random-weight float32 checkpoint + tokenizer to ``out_dir``.
-
-    Returns ``out_dir`` at once if it already holds the same build (marker
-    file with a hash of the family spec and seed). The model is written to a
-    sibling temporary folder and renamed into place, so a half-written build
-    is never mistaken for a complete one.
-    """
-    out_dir = Path(out_dir)
-    build_hash = _build_hash(family, seed)
-    if _is_built(out_dir, build_hash):
-        return out_dir
-
+def _text_model(family: str, seed: int) -> PreTrainedModel:
     spec = MODEL_FAMILIES[family]
     config = spec.config_cls(**config_kwargs_for_installed_transformers(spec))
     config.architectures = [spec.model_cls.__name__]
@@ -244,11 +358,62 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.copy_(0.05 * torch.randn_like(buffer))
+    return model
+
+
+def _write_wrapper(family: str, seed: int, tmp_dir: Path) -> None:
+    """The text family's checkpoint, its tensors renamed under the wrapper, plus vision tensors."""
+    wrapper = WRAPPER_FAMILIES[family]
+    text_dir = tmp_dir / "text"
+    _text_model(wrapper.text_family, seed).save_pretrained(text_dir, safe_serialization=True)
+    text_config = json.loads((text_dir / "config.json").read_text())
+    tensors = {wrapper.text_prefix + k: v for k, v in load_file(text_dir / "model.safetensors").items()}
+    shutil.rmtree(text_dir)
+    config = {**wrapper.config, "_text_hidden_size": text_config["hidden_size"]}
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, shape in wrapper.vision_weights(config).items():
+        if "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):  # LayerNorm scales
+            tensors[name] = torch.ones(shape)
+        else:
+            tensors[name] = INITIALIZER_RANGE * torch.randn(shape, generator=generator)
+    save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+    text_config.pop("architectures", None)
+    config.pop("_text_hidden_size")
+    full = {
+        **config,
+        "architectures": [wrapper.architecture],
+        "text_config": text_config,
+        "dtype": "float32",
+        "pad_token_id": PAD_TOKEN_ID,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+    }
+    (tmp_dir / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+    for name, content in wrapper.files.items():
+        (tmp_dir / name).write_text(json.dumps(content, indent=2) + "\n")
+
+
+def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write a random-weight float32 checkpoint + tokenizer to ``out_dir``.
+
+    Returns ``out_dir`` at once if it already holds the same build (marker
+    file with a hash of the family spec and seed). The model is written to a
+    sibling temporary folder and renamed into place, so a half-written build
+    is never mistaken for a complete one. A ``WRAPPER_FAMILIES`` family holds
+    its text family's weights (same seed: the same tensors) under the wrapper's names.
+    """
+    out_dir = Path(out_dir)
+    build_hash = _build_hash(family, seed)
+    if _is_built(out_dir, build_hash):
+        return out_dir
 
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
-    model.save_pretrained(tmp_dir, safe_serialization=True)
+    if family in WRAPPER_FAMILIES:
+        _write_wrapper(family, seed, tmp_dir)
+    else:
+        _text_model(family, seed).save_pretrained(tmp_dir, safe_serialization=True)
     _build_tokenizer().save_pretrained(tmp_dir)
     marker = {"hash": build_hash, "family": family, "seed": seed}
     (tmp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
@@ -262,9 +427,20 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
 
 
 def load_hf_model(model_dir: Path) -> PreTrainedModel:
-    """HF reference model: float32, CPU, eager attention, eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    """HF reference model: float32, CPU, eager attention, eval mode (a multimodal wrapper: its
+    image-text-to-text class, transformers' own code, loading the checkpoint's original names)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The text decoder layers of a causal LM (``model.layers``) or of a wrapper (``model.language_model.layers``)."""
+    inner = model.model
+    layers = inner.layers if hasattr(inner, "layers") else inner.language_model.layers
+    assert isinstance(layers, torch.nn.ModuleList)
+    return layers
 
 
 def hf_layer_outputs(model_dir: Path, token_ids: list[list[int]], layer_ids: list[int]) -> list[list[torch.Tensor]]:
@@ -275,7 +451,7 @@ def hf_layer_outputs(model_dir: Path, token_ids: list[list[int]], layer_ids: lis
     final norm (unlike the last entry of HF's ``output_hidden_states``).
     """
     model = load_hf_model(model_dir)
-    layers = model.model.layers
+    layers = decoder_layers(model)
     captured: dict[int, torch.Tensor] = {}
 
     def make_hook(layer_id: int) -> Callable[[torch.nn.Module, Any, Any], None]:

@@ -93,6 +93,23 @@ ADAPTERS: tuple[Adapter, ...] = (
         speculators="<0.4",
     ),
     Adapter(
+        id="wrapper-base-model",
+        side="worker",
+        patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",
+        why="capture set-up of a multimodal wrapper fails: AttributeError: 'KimiK25ForConditionalGeneration' "
+        "object has no attribute 'model' (0.3.0 reads model.model; 0.4.x get_language_model().model, whose "
+        "shape differs between releases and models)",
+        vllm_change="none for one release: multimodal wrappers keep their text model as `.language_model` "
+        "(KimiK25ForConditionalGeneration in 0.32.0, Llava-style models), not `.model`; what "
+        "get_language_model() (SupportsMultiModal) returns depends on the release and the model",
+        detect="AST: which of model / get_language_model the set-up reads; at set-up: whether that lookup gives a "
+        "module with `layers`, else the base model found by probing (get_language_model(), then the one child "
+        "holding a decoder stack)",
+        delete_when="speculators finds the base model through vLLM's own interface for every model",
+        probe=worker.probe_wrapper_base_model,
+        apply=worker.apply_wrapper_base_model,
+    ),
+    Adapter(
         id="capture-setup",
         side="worker",
         patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",

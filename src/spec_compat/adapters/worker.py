@@ -37,9 +37,7 @@ def _tp_rank() -> int | None:
 
 
 def _base_model(model: Any) -> Any:
-    if hasattr(model, "get_language_model"):
-        return model.get_language_model().model
-    return getattr(model, "model", None)
+    return find_base_model(model)
 
 
 # ---- loud worker errors -----------------------------------------------------------------------------------
@@ -99,6 +97,118 @@ def apply_capture_gate(ctx: Context, patcher: Patcher) -> None:
         return bool(original(model)) or (base is not None and hasattr(base, "layers"))
 
     patcher.replace("capture-gate", worker, "supports_eagle3", supports_capture)
+
+
+# ---- the base model of a multimodal wrapper ----------------------------------------------------------------
+# speculators finds the decoder stack it re-binds as `model.model` (0.3.0) or, for a model with
+# get_language_model(), `model.get_language_model().model` (0.4.x). A multimodal wrapper often has
+# no `.model` (Kimi-K2.5, Llava: `.language_model`), and what get_language_model() returns differs
+# between vLLM releases and models (the causal LM, or the base model itself). The base model is
+# found by probing, and speculators' set-up sees a view of the wrapper whose `.model` and
+# `.get_language_model().model` are it; a model where speculators' own lookup works is untouched.
+
+
+def _text_base(candidate: Any) -> Any:
+    """``candidate.model`` when it is a decoder stack (a causal LM), ``candidate`` when it is one."""
+    if candidate is None:
+        return None
+    inner = getattr(candidate, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return inner
+    return candidate if hasattr(candidate, "layers") else None
+
+
+def find_base_model(model: Any) -> Any:
+    """The decoder stack (a module with ``layers``) of a causal LM or of a multimodal wrapper.
+
+    Tried in order: ``model.model``; what ``model.get_language_model()`` returns (a causal LM or
+    the base model); the one direct child module that is or holds a decoder stack. None when
+    nothing (or more than one child) qualifies."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return inner
+    get_language_model = getattr(model, "get_language_model", None)
+    if callable(get_language_model):
+        try:
+            language_model = get_language_model()
+        except Exception:  # noqa: BLE001 - abstract or unset on some releases/models: probe the children
+            language_model = None
+        base = _text_base(language_model)
+        if base is not None:
+            return base
+    named_children = getattr(model, "named_children", None)
+    if callable(named_children):
+        found = [base for _, child in named_children() if (base := _text_base(child)) is not None]
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
+class WrapperView:
+    """A multimodal wrapper as speculators' capture set-up reads it: ``.model`` and
+    ``.get_language_model().model`` are the text base model; every other attribute is the wrapper's."""
+
+    def __init__(self, wrapper: Any, base: Any) -> None:
+        self.__dict__["spec_compat_wrapper"] = wrapper
+        self.__dict__["model"] = base
+
+    def get_language_model(self) -> Any:
+        return self  # its `.model` is the base model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["spec_compat_wrapper"], name)
+
+
+def _speculators_lookup_works(model: Any, reads_language_model: bool) -> bool:
+    """Whether speculators' own expression for the base model gives a module with ``layers``."""
+    try:
+        if reads_language_model and hasattr(model, "get_language_model"):
+            base = model.get_language_model().model
+        else:
+            base = model.model
+    except Exception:  # noqa: BLE001 - AttributeError / NotImplementedError: the lookup fails
+        return False
+    return hasattr(base, "layers")
+
+
+def _setup_reads(worker: Any) -> set[str]:
+    setup = vars(worker.HiddenStatesWorkerExtension)["_setup_hidden_states_capture"]
+    return speculators_code.attribute_names_used(setup) & {"model", "get_language_model"}
+
+
+def probe_wrapper_base_model(ctx: Context) -> Probe:
+    reads = _setup_reads(_worker(ctx))
+    if "model" not in reads:
+        return Probe(False, "speculators' capture set-up does not look up a base model")
+    how = "model.get_language_model().model or model.model" if "get_language_model" in reads else "model.model"
+    return Probe(
+        True, f"speculators finds the base model as {how}; a multimodal wrapper's is found by probing at set-up"
+    )
+
+
+def apply_wrapper_base_model(ctx: Context, patcher: Patcher) -> None:
+    worker = _worker(ctx)
+    extension_cls = worker.HiddenStatesWorkerExtension
+    original = vars(extension_cls)["_setup_hidden_states_capture"]
+    reads_language_model = "get_language_model" in _setup_reads(worker)
+
+    @functools.wraps(original)
+    def _setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> Any:
+        runner = self.model_runner
+        model = runner.model
+        if _speculators_lookup_works(model, reads_language_model):
+            return original(self, layer_ids)
+        base = find_base_model(model)
+        if base is None:
+            return original(self, layer_ids)  # speculators' own error names the model
+        logger.info("spec_compat: %s: capturing from its text model %s", type(model).__name__, type(base).__name__)
+        runner.model = WrapperView(model, base)
+        try:
+            return original(self, layer_ids)
+        finally:
+            runner.model = model
+
+    patcher.replace("wrapper-base-model", extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
 
 
 # ---- capture set-up checks and the embed-method rename -------------------------------------------------
