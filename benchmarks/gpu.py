@@ -74,12 +74,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PATHS = ("shim", "native", "llm_eager", "extract", "llm_default")
+PATHS = ("shim", "native", "llm_eager", "extract", "llm_default", "shim_without")
+DEFAULT_PATHS = PATHS[:5]  # shim_without (the shim with --shim-disable's adapters left out) only when asked
 REQUIRED_KEYS = ("shim_vs_native", "extract_vs_native", "shim_vs_llm_eager", "overhead_fraction")
 TARGETS = {"shim_vs_native": (">=", 0.5), "extract_vs_native": (">=", 0.5), "overhead_fraction": ("<=", 0.05)}
 # Seconds a path is assumed to take (engine start + calls) until it has been measured in this run.
-PRIOR_S = {"shim": 70.0, "native": 60.0, "llm_eager": 50.0, "extract": 80.0, "llm_default": 90.0}
-SMOKE_PRIOR_S = {"shim": 30.0, "native": 30.0, "llm_eager": 30.0, "extract": 40.0, "llm_default": 50.0}
+PRIOR_S = {"shim": 70.0, "native": 60.0, "llm_eager": 50.0, "extract": 80.0, "llm_default": 90.0, "shim_without": 70.0}
+SMOKE_PRIOR_S = {
+    "shim": 30.0, "native": 30.0, "llm_eager": 30.0, "extract": 40.0, "llm_default": 50.0, "shim_without": 30.0
+}  # fmt: skip
 MARKER = "gpu_bench_model.json"
 
 DENSE_CONFIG: dict[str, Any] = {  # Qwen3-1.7B's decoder stack
@@ -353,8 +356,12 @@ class Bench:
         out_file = self.work / f"{stem}.out.json"
         spec_file.write_text(json.dumps(spec))
         out_file.unlink(missing_ok=True)
+        env = self.env
+        if name == "shim_without":  # the same shim process with some adapters left out: an A/B in one run
+            env = {**self.env, "SPEC_COMPAT_DISABLE": self.args.shim_disable}
+            name = "shim"
         command = [sys.executable, str(Path(__file__).resolve()), "--path", name, str(spec_file), str(out_file)]
-        code, wall = run_process(command, self.env, timeout, log)
+        code, wall = run_process(command, env, timeout, log)
         record: dict[str, Any] = {"wall_s": wall, "log": str(log.relative_to(self.args.out))}
         if code is None:
             return {**record, "status": "timeout", "timeout_s": timeout, "error": last_error_line(log)}
@@ -519,6 +526,7 @@ def model_ratios(paths: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "native_vs_llm_eager": ratio(med("native"), med("llm_eager")),
         "shim_vs_native_return": ratio(med("shim"), paths.get("native", {}).get("tokens_per_s_return_median")),
         "overhead_fraction": paths.get("shim", {}).get("overhead_fraction"),
+        "shim_vs_shim_without": ratio(med("shim"), med("shim_without")),
     }
 
 
@@ -607,7 +615,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="folder for gpu_<models>.json and the logs ($OUT on the device)")
     parser.add_argument("--models", default="dense", help="comma-separated: dense, moe")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"subset of {PATHS}, in this order")
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"subset of {PATHS}, in this order")
+    parser.add_argument(
+        "--shim-disable",
+        default="executor-rpc-deadline,generate-signal-shutdown,shutdown-at-exit",
+        help="adapter ids the shim_without path leaves out (SPEC_COMPAT_DISABLE)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="repeat the paths, budget allowing")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per engine (after 1 warm-up)")
     parser.add_argument("--budget-s", type=float, default=520.0, help="wall budget of this invocation, build included")
