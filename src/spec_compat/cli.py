@@ -12,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="check this environment without loading a model")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--explain", action="store_true", help="under each adapter that applies: what it patches, why, the vLLM "
+        "change behind it, when it can be deleted"
+    )
     extract = commands.add_parser("extract", help="dataset -> hidden-state training files (resumable, shardable)")
     extract.add_argument("--model", required=True, help="model directory (or hub id, where reachable)")
     extract.add_argument("--input", required=True, type=Path, help="JSONL: one sample per line")
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from .doctor import run
 
-        return run(as_json=args.json)
+        return run(as_json=args.json, explain=args.explain)
     if args.command == "extract":
         from .errors import IncompatibleError
         from .extract import ExtractConfig, ExtractError, WriteFailed, default_writer_threads, parse_shard

@@ -25,6 +25,18 @@ def model_runner(decisions: dict[str, Any], platform: str) -> str:
     return "vLLM's default (this vLLM has no Model Runner V2 switch)"
 
 
+def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
+    """The adapter's record beside the decision: what it patches, why, the vLLM change behind it,
+    and when it can be deleted (registry.py is the single source)."""
+    from .registry import BY_ID
+
+    adapter = BY_ID.get(decision["id"])
+    if adapter is None:
+        return decision
+    notes = {k: getattr(adapter, k) for k in ("patches", "why", "vllm_change", "delete_when", "speculators")}
+    return {**decision, **notes}
+
+
 def diagnose() -> tuple[int, dict[str, Any]]:
     import spec_compat
 
@@ -48,7 +60,7 @@ def diagnose() -> tuple[int, dict[str, Any]]:
         result = {
             "verdict": verdict,
             "environment": report.env.as_dict(),
-            "adapters": [asdict(d) for d in report.decisions],
+            "adapters": [_with_registry_notes(asdict(d)) for d in report.decisions],
             "preflight": [asdict(f) for f in report.preflight],
             "problems": report.problems,
             "model_runner": model_runner(decisions, report.env.platform),
@@ -58,7 +70,8 @@ def diagnose() -> tuple[int, dict[str, Any]]:
     return code, result
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: dict[str, Any], explain: bool = False) -> str:
+    """The report as text; ``explain`` adds, under every adapter that applies, its registry notes."""
     lines: list[str] = []
     env = result.get("environment")
     if env:
@@ -70,6 +83,11 @@ def render(result: dict[str, Any]) -> str:
         for adapter in result["adapters"]:
             mark = "applies" if adapter["applies"] else ("BLOCKS" if adapter["blocking"] else "-")
             lines.append(f"  {adapter['id']:34s} {mark:8s} {adapter['reason']}")
+            if explain and adapter["applies"] and "why" in adapter:
+                lines.append(f"      patches:     {adapter['patches']}")
+                lines.append(f"      why:         {adapter['why']}")
+                lines.append(f"      vLLM change: {adapter['vllm_change']}")
+                lines.append(f"      delete when: {adapter['delete_when']}")
     if result.get("preflight"):
         bad = [f for f in result["preflight"] if not f["ok"]]
         lines.append(f"preflight: {len(result['preflight']) - len(bad)}/{len(result['preflight'])} calls bind")
@@ -84,8 +102,8 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(as_json: bool) -> int:
+def run(as_json: bool, explain: bool = False) -> int:
     code, result = diagnose()
     result["exit_code"] = code
-    print(json.dumps(result, indent=2, default=str) if as_json else render(result))
+    print(json.dumps(result, indent=2, default=str) if as_json else render(result, explain))
     return code
