@@ -65,10 +65,10 @@ RELEASES: dict[str, str] = {
     "0.25.1": "preflight",
     "0.26.0": "preflight",
     "0.27.1": "run",
-    "0.28.0": "preflight",
+    "0.28.0": "run",
     "0.29.0": "run",
-    "0.30.0": "preflight",
-    "0.31.0": "preflight",
+    "0.30.0": "run",
+    "0.31.0": "run",
     "0.32.0": "run",
     "0.33.0": "preflight",
 }

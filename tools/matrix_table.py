@@ -50,6 +50,10 @@ def load(results: Path) -> list[dict[str, Any]]:
 # the table says "n/a" with the reason instead of "fail".
 UPSTREAM_LIMITS = {
     "MLA is not supported on CPU": "this vLLM has no MLA attention on CPU",
+    # 0.28.0: mla/prefill/flash_attn.py imports it from fa_utils, which defines it only for CUDA /
+    # XPU / ROCm: the CPU build cannot import its own MLA prefill backend (read in the wheel's source)
+    "cannot import name 'compile_flash_attn_varlen_func_from_specs'": "this vLLM's CPU build cannot import its "
+    "own MLA prefill backend (fa_utils defines compile_flash_attn_varlen_func_from_specs only for CUDA/XPU/ROCm)",
 }
 
 
