@@ -27,7 +27,8 @@ if [ ! -f "$VENV/.complete" ]; then
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   touch "$VENV/.complete"
 fi
-"$VENV/bin/pip" install -q -e "$REPO[test]"
+# ray (the extra `ray`): extract --replicas and tests/test_ray_extract.py; ray core only (+ msgpack)
+"$VENV/bin/pip" install -q -e "$REPO[test,ray]"
 
 SPEC_DIRS=""
 for version in $SPECULATORS_VERSIONS; do
