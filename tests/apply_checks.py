@@ -44,6 +44,21 @@ def main() -> None:
     patch_ids = {patch.adapter_id for patch in _patcher.patches}
     out["patch_ids_not_in_registry"] = sorted(patch_ids - set(BY_ID))
     out["applied_without_a_patch"] = sorted(set(first.applied) - patch_ids)
+    # each record's speculators range is honoured: applied only inside it, reported when outside
+    installed = first.env.speculators
+    decisions = {d.id: d for d in first.decisions}
+    out["speculators_installed"] = installed.raw
+    out["applied_outside_range"] = sorted(
+        a for a in first.applied if BY_ID[a].speculators_excludes(installed) is not None
+    )
+    out["excluded_by_range"] = sorted(
+        d.id for d in first.decisions if not d.applies and "outside this adapter's range" in d.reason
+    )
+    out["range_excluded_expected"] = sorted(
+        a.id
+        for a in BY_ID.values()
+        if a.id in decisions and a.speculators_excludes(installed) is not None
+    )
 
     reverted = spec_compat.revert()
     after = (
@@ -52,6 +67,7 @@ def main() -> None:
         | {f"ext.{k}": id(v) for k, v in vars(ext).items()}
     )
     out["reverted_count"] = len(reverted)
+    out["reverted_ids_not_in_registry"] = sorted({entry.split(": ", 1)[0] for entry in reverted} - set(BY_ID))
     out["revert_restores_identity"] = after == pristine
     out["revert_removes_alias"] = "torch" not in vars(configuration_utils)
 

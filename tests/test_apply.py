@@ -31,5 +31,9 @@ def test_apply_revert_plan(speculators: str) -> None:
     assert out["patch_ids_not_in_registry"] == [], "every recorded patch must carry its adapter's registry id"
     assert out["applied_without_a_patch"] == [], "an applied adapter records what it patched under its own id"
     assert out["revert_removes_alias"]
+    assert out["reverted_ids_not_in_registry"] == [], "revert() names only registry adapters"
+    assert out["speculators_installed"].startswith(speculators)
+    assert out["applied_outside_range"] == [], "an adapter applies only inside its record's speculators range"
+    assert out["excluded_by_range"] == out["range_excluded_expected"] != [], "exclusions by range are reported"
     assert out["reapply_same_adapters"] and out["reapply_same_structure"]
     assert out["reverted_count"] >= 15

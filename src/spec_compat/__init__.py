@@ -89,6 +89,10 @@ def _run_side(ctx: Context, side: str, report: Report, patcher: Patcher | None) 
         if adapter.id in ctx.options.disable:
             report.decisions.append(AdapterDecision(adapter.id, side, False, "disabled by the user"))
             continue
+        excluded = adapter.speculators_excludes(ctx.env.speculators)
+        if excluded is not None:
+            report.decisions.append(AdapterDecision(adapter.id, side, False, excluded))
+            continue
         try:
             probe = adapter.probe(ctx)
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a finding, not a crash

@@ -33,7 +33,7 @@ def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
     adapter = BY_ID.get(decision["id"])
     if adapter is None:
         return decision
-    notes = {k: getattr(adapter, k) for k in ("patches", "why", "vllm_change", "delete_when", "speculators")}
+    notes = {k: str(getattr(adapter, k)) for k in ("patches", "why", "vllm_change", "delete_when", "speculators")}
     return {**decision, **notes}
 
 

@@ -15,12 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 from .adapters import driver_calls, executor, generate, imports, kv_cache, lifecycle, watchdog, worker, worker_process
 from .adapters.probe import Probe
 from .options import Context
 from .patching import Patcher
+from .versions import ParsedVersion
 
 Side = Literal["import", "worker", "worker-process", "driver"]
+# The default range: every release from the oldest supported one (the feature probe decides there).
+SUPPORTED_SPECULATORS = SpecifierSet(">=0.3.0")
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,18 @@ class Adapter:
     delete_when: str
     probe: Callable[[Context], Probe]
     apply: Callable[[Context, Patcher], None]
-    speculators: str = ">=0.3.0,<0.5"  # speculators versions whose code needs it
+    # speculators releases whose code needs it: outside it the adapter is not applied (apply() says why)
+    speculators: SpecifierSet = SUPPORTED_SPECULATORS
+
+    def speculators_excludes(self, installed: ParsedVersion) -> str | None:
+        """Why the installed speculators is outside this record's range (None: inside, or unknown)."""
+        if installed.version is None or installed.kind == "source":
+            return None  # a source checkout or an unknown version: the feature probe decides
+        # A pre-release or nightly carries the code of the release it leads to (0.4.0rc1 is 0.4 code).
+        release = Version(installed.version.base_version)
+        if self.speculators.contains(release, prereleases=True):
+            return None
+        return f"speculators {installed.raw} is outside this adapter's range {self.speculators}"
 
 
 ADAPTERS: tuple[Adapter, ...] = (
@@ -90,7 +107,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)",
         probe=worker.probe_capture_gate,
         apply=worker.apply_capture_gate,
-        speculators="<0.4",
+        speculators=SpecifierSet("<0.4"),
     ),
     Adapter(
         id="wrapper-base-model",
@@ -145,7 +162,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators 0.3.0 is no longer supported",
         probe=worker.probe_batch_order_log,
         apply=worker.apply_batch_order_log,
-        speculators="<0.4",
+        speculators=SpecifierSet("<0.4"),
     ),
     Adapter(
         id="captured-states-shared-memory",
@@ -231,7 +248,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators 0.3.0 is no longer supported",
         probe=driver_calls.probe_prefix_caching_off,
         apply=driver_calls.apply_prefix_caching_off,
-        speculators="<0.4",
+        speculators=SpecifierSet("<0.4"),
     ),
     Adapter(
         id="scheduler-config-encoder-decoder",
@@ -290,7 +307,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators 0.3.0 is no longer supported",
         probe=executor.probe_reply_shape,
         apply=executor.apply_reply_shape,
-        speculators="<0.4",
+        # every release: the probe also finds the reverse mismatch (0.4.x on vLLM <= 0.11.0, blocking)
     ),
     Adapter(
         id="executor-sample-tokens",
@@ -302,7 +319,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators 0.3.0 is no longer supported",
         probe=executor.probe_sample_tokens,
         apply=executor.apply_sample_tokens,
-        speculators="<0.4",
+        speculators=SpecifierSet("<0.4"),
     ),
     Adapter(
         id="executor-kv-layout",
@@ -466,7 +483,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators 0.3.0 is no longer supported",
         probe=generate.probe_single_step,
         apply=generate.apply_single_step,
-        speculators="<0.4",
+        speculators=SpecifierSet("<0.4"),
     ),
     Adapter(
         id="sequence-limit",
@@ -491,7 +508,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators returns results in input order",
         probe=generate.probe_input_order,
         apply=generate.apply_input_order,
-        speculators=">=0.4,<0.5",
+        speculators=SpecifierSet(">=0.4,<0.5"),
     ),
     Adapter(
         id="layer-ids",
