@@ -4,6 +4,9 @@ Three families are described in ``MODEL_FAMILIES``: a dense Qwen3, a Qwen3-MoE
 and a DeepSeek-V3 (MLA + MoE); ``WRAPPER_FAMILIES`` adds multimodal wrappers
 around one of them (``kimi_k25``: Kimi-K2.5, a vision tower + projector around
 the DeepSeek-V3 text model, its text weights the ``deepseek_v3`` family's own).
+``qwen3_moe_all_experts`` / ``deepseek_v3_all_experts`` route every token to every expert;
+``QUANTIZED_FAMILIES`` (GPU kernels only) are a W4A16 (compressed-tensors int4) Qwen3-MoE and a
+block-FP8 DeepSeek-V3, each with its dequantized float32 twin for HF (``reference_model_dir``).
 ``build_model`` writes a float32 safetensors
 checkpoint with a byte-level BPE tokenizer that ``AutoTokenizer`` loads
 offline; ``hf_layer_outputs`` gives the HF transformers reference output of
@@ -31,6 +34,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,6 +167,21 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 }
 
 
+def _derived(base: str, **overrides: Any) -> ModelFamily:
+    """``base``'s family with some config values changed (its own build hash: the base stays as it is)."""
+    spec = MODEL_FAMILIES[base]
+    return ModelFamily(spec.config_cls, spec.model_cls, {**spec.config_kwargs, **overrides})
+
+
+# Every expert routed (top-k = number of experts, one expert group): the MoE output is a smooth
+# function of the router logits, so kernel rounding cannot flip an expert choice and a strict
+# per-token comparison with HF is meaningful on the GPU (the top-k families flip near ties there).
+MODEL_FAMILIES["qwen3_moe_all_experts"] = _derived("qwen3_moe", num_experts=4, num_experts_per_tok=4)
+MODEL_FAMILIES["deepseek_v3_all_experts"] = _derived(
+    "deepseek_v3", n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1
+)
+
+
 @dataclass(frozen=True)
 class WrapperFamily:
     """A multimodal wrapper checkpoint around the text model of ``text_family``.
@@ -271,6 +290,226 @@ WRAPPER_FAMILIES: dict[str, WrapperFamily] = {
 }
 
 
+@dataclass(frozen=True)
+class QuantizedFamily:
+    """A quantized checkpoint (GPU kernels only) of a float model ``base``.
+
+    ``scheme`` is ``"w4a16"`` (compressed-tensors pack-quantized int4, symmetric, per group of
+    ``group_size`` input columns: the format of Kimi-K2.5's INT4 experts, vLLM's Marlin MoE path)
+    or ``"fp8_block"`` (float8_e4m3fn weights with a float32 ``weight_scale_inv`` per
+    ``block`` x ``block`` tile, DeepSeek-V3's own checkpoint format). Tensors whose name matches
+    ``quantized`` are quantized; the rest stay float32. ``build_model`` also writes the
+    dequantized float32 checkpoint next to it (``reference_model_dir``): HF's reference runs on
+    exactly the weights vLLM's kernels see."""
+
+    base: ModelFamily
+    scheme: str
+    quantized: str  # regular expression over tensor names
+    group_size: int = 128
+    block: int = 128
+
+
+# Sizes the GPU kernels take: Marlin MoE needs hidden % 128 == 0 and intermediate (per TP rank)
+# % max(64, group size) == 0; block FP8 needs every merged / split output and every input a
+# multiple of 128 (q_lora_rank too: it is merged with kv_a_proj_with_mqa, whose 576 may be last).
+# Every expert routed, as the *_all_experts families: the strict per-token verdict can pass.
+QUANTIZED_FAMILIES: dict[str, QuantizedFamily] = {
+    "qwen3_moe_w4a16": QuantizedFamily(
+        base=_derived("qwen3_moe_all_experts", hidden_size=256, intermediate_size=512, moe_intermediate_size=256),
+        scheme="w4a16",
+        quantized=r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",
+    ),
+    "deepseek_v3_fp8": QuantizedFamily(
+        base=_derived(
+            "deepseek_v3_all_experts",
+            hidden_size=256,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            q_lora_rank=128,
+        ),
+        scheme="fp8_block",
+        # What DeepSeek-V3's checkpoint quantizes: every projection but the router and embeddings.
+        quantized=r"\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+        r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$",
+    ),
+}
+
+INT4_MAX = 7  # symmetric int4: values in [-8, 7]; scales from max|w| / 7
+FP8_E4M3_MAX = 448.0
+DEQUANTIZED_SUFFIX = ".dequantized"
+
+
+def _round_to_bfloat16(values: torch.Tensor) -> torch.Tensor:
+    """Scales kept bfloat16-representable: scale * (int4 or fp8 value) is then exact in float32,
+    so the dequantized reference holds exactly the products the kernels form."""
+    return values.to(torch.bfloat16).to(torch.float32)
+
+
+def quantize_int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] -> (int8 values in [-8, 7] [out, in], bfloat16 scales [out, in // group_size])."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"input size {in_features} is not a multiple of group size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    scales = _round_to_bfloat16(groups.abs().amax(dim=-1).clamp_min(1e-8) / INT4_MAX)
+    values = torch.round(groups / scales.unsqueeze(-1)).clamp(-INT4_MAX - 1, INT4_MAX).to(torch.int8)
+    return values.reshape(out_features, in_features), scales.to(torch.bfloat16)
+
+
+def dequantize_int4_groups(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = values.shape
+    group_size = in_features // scales.shape[1]
+    grouped = values.float().reshape(out_features, -1, group_size) * scales.float().unsqueeze(-1)
+    return grouped.reshape(out_features, in_features)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized layout: value + 8 as an unsigned nibble, eight per int32
+    along the input dimension, the first value in the lowest bits ([out, in] -> [out, in // 8])."""
+    out_features, in_features = values.shape
+    if in_features % 8:
+        raise ValueError(f"input size {in_features} is not a multiple of 8")
+    nibbles = (values.to(torch.int64) + 8).reshape(out_features, in_features // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    packed = (nibbles << shifts).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_int4``'s inverse: [out, in // 8] int32 -> [out, in] int8 in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles - 8).reshape(packed.shape[0], -1).to(torch.int8)
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] -> (float8_e4m3fn [out, in], float32 ``weight_scale_inv``
+    [ceil(out / block), ceil(in / block)]); a partial last tile has its own scale, as DeepSeek-V3's."""
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // block), -(-in_features // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:out_features, :in_features] = weight.float()
+    tiles = padded.reshape(rows, block, cols, block)
+    scales = _round_to_bfloat16(tiles.abs().amax(dim=(1, 3)).clamp_min(1e-8) / FP8_E4M3_MAX)
+    # The bfloat16-rounded scale may sit just under max / 448: clamp, as float8 does not saturate.
+    scaled = (tiles / scales[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(rows * block, cols * block)
+    return scaled[:out_features, :in_features].to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8_blocks(values: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    expanded = scale_inv.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return values.float() * expanded[: values.shape[0], : values.shape[1]]
+
+
+def _w4a16_quantization_config(spec: QuantizedFamily) -> dict[str, Any]:
+    """compressed-tensors' config as llm-compressor writes it (Kimi-K2.5 INT4's layout, group 128)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": spec.group_size,
+                    "dynamic": False,
+                    "actorder": None,
+                    "block_structure": None,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                },
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        # Only the routed experts are int4 (as in Kimi-K2.5): attention, the router and lm_head stay float.
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"],
+        "kv_cache_scheme": None,
+    }
+
+
+def _fp8_quantization_config(spec: QuantizedFamily) -> dict[str, Any]:
+    """DeepSeek-V3's own quantization_config."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [spec.block, spec.block],
+    }
+
+
+def quantize_tensors(
+    spec: QuantizedFamily, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """(checkpoint tensors for vLLM, dequantized float32 tensors for HF, figures of the quantization)."""
+    pattern = re.compile(spec.quantized)
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    worst = 0.0
+    count = 0
+    for name, tensor in tensors.items():
+        if not pattern.search(name):
+            quantized[name] = tensor
+            dequantized[name] = tensor
+            continue
+        stem = name.removesuffix(".weight")
+        if spec.scheme == "w4a16":
+            values, scales = quantize_int4_groups(tensor, spec.group_size)
+            quantized[f"{stem}.weight_packed"] = pack_int4(values)
+            quantized[f"{stem}.weight_scale"] = scales
+            quantized[f"{stem}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+            restored = dequantize_int4_groups(values, scales)
+        elif spec.scheme == "fp8_block":
+            fp8, scale_inv = quantize_fp8_blocks(tensor, spec.block)
+            quantized[name] = fp8
+            quantized[f"{stem}.weight_scale_inv"] = scale_inv
+            restored = dequantize_fp8_blocks(fp8, scale_inv, spec.block)
+        else:
+            raise ValueError(f"unknown quantization scheme {spec.scheme!r}")
+        dequantized[name] = restored
+        worst = max(worst, float((restored - tensor).norm() / tensor.norm()))
+        count += 1
+    if not count:
+        raise ValueError(f"no tensor matches {spec.quantized!r}")
+    figures = {"scheme": spec.scheme, "quantized_tensors": count, "max_rel_weight_error": worst}
+    return quantized, dequantized, figures
+
+
+def _write_quantized(family: str, seed: int, tmp_dir: Path, reference_tmp: Path) -> dict[str, Any]:
+    """The quantized checkpoint into ``tmp_dir``, its dequantized float32 twin into ``reference_tmp``."""
+    spec = QUANTIZED_FAMILIES[family]
+    _text_model_from_spec(spec.base, seed).save_pretrained(reference_tmp, safe_serialization=True)
+    tensors = load_file(reference_tmp / "model.safetensors")
+    quantized, dequantized, figures = quantize_tensors(spec, tensors)
+    save_file(dequantized, str(reference_tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(quantized, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((reference_tmp / "config.json").read_text())
+    maker = _w4a16_quantization_config if spec.scheme == "w4a16" else _fp8_quantization_config
+    config["quantization_config"] = maker(spec)
+    (tmp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = reference_tmp / "generation_config.json"
+    if generation.exists():
+        shutil.copy(generation, tmp_dir / generation.name)
+    return figures
+
+
+def reference_model_dir(model_dir: Path) -> Path:
+    """The checkpoint HF's reference loads: a quantized family's dequantized twin, else ``model_dir``."""
+    model_dir = Path(model_dir)
+    marker = json.loads((model_dir / MARKER_FILE).read_text())
+    if not marker.get("reference_dir"):
+        return model_dir
+    reference = model_dir.with_name(marker["reference_dir"])
+    if not reference.is_dir():
+        raise FileNotFoundError(f"{reference} (the dequantized twin of {model_dir}) is missing: rebuild")
+    return reference
+
+
 def _build_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE covering exactly ``VOCAB_SIZE`` ids, specials first."""
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -313,6 +552,20 @@ def _build_hash(family: str, seed: int) -> str:
             "files": wrapper.files,
         }
         return hashlib.sha256(json.dumps(wrapper_payload, sort_keys=True).encode()).hexdigest()
+    if family in QUANTIZED_FAMILIES:
+        quantized = QUANTIZED_FAMILIES[family]
+        quantized_payload = {
+            "build_version": BUILD_VERSION,
+            "family": family,
+            "seed": seed,
+            "config_cls": quantized.base.config_cls.__name__,
+            "config_kwargs": quantized.base.config_kwargs,
+            "scheme": quantized.scheme,
+            "quantized": quantized.quantized,
+            "group_size": quantized.group_size,
+            "block": quantized.block,
+        }
+        return hashlib.sha256(json.dumps(quantized_payload, sort_keys=True).encode()).hexdigest()
     spec = MODEL_FAMILIES[family]
     payload = {
         "build_version": BUILD_VERSION,
@@ -346,12 +599,15 @@ def config_kwargs_for_installed_transformers(spec: ModelFamily) -> dict[str, Any
 
 
 def _text_model(family: str, seed: int) -> PreTrainedModel:
-    spec = MODEL_FAMILIES[family]
+    return _text_model_from_spec(MODEL_FAMILIES[family], seed)
+
+
+def _text_model_from_spec(spec: ModelFamily, seed: int) -> PreTrainedModel:
     config = spec.config_cls(**config_kwargs_for_installed_transformers(spec))
     config.architectures = [spec.model_cls.__name__]
     torch.manual_seed(seed)
     model = spec.model_cls(config).to(torch.float32).eval()
-    if family == "deepseek_v3":
+    if spec.config_cls is DeepseekV3Config:
         # HF inits the routing correction bias to zeros; make it non-zero so
         # a checkpoint loader that drops it gives different routing.
         with torch.no_grad():
@@ -410,12 +666,21 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
+    marker: dict[str, Any] = {"hash": build_hash, "family": family, "seed": seed}
     if family in WRAPPER_FAMILIES:
         _write_wrapper(family, seed, tmp_dir)
+    elif family in QUANTIZED_FAMILIES:
+        reference_dir = out_dir.with_name(out_dir.name + DEQUANTIZED_SUFFIX)
+        reference_tmp = reference_dir.with_name(f"{reference_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(reference_tmp, ignore_errors=True)
+        marker["quantization"] = _write_quantized(family, seed, tmp_dir, reference_tmp)
+        _build_tokenizer().save_pretrained(reference_tmp)
+        shutil.rmtree(reference_dir, ignore_errors=True)
+        reference_tmp.rename(reference_dir)
+        marker["reference_dir"] = reference_dir.name  # a sibling of out_dir
     else:
         _text_model(family, seed).save_pretrained(tmp_dir, safe_serialization=True)
     _build_tokenizer().save_pretrained(tmp_dir)
-    marker = {"hash": build_hash, "family": family, "seed": seed}
     (tmp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
     if _is_built(out_dir, build_hash):  # another process finished first
