@@ -63,6 +63,23 @@ def main(argv: list[str] | None = None) -> int:
         "installed speculators' own preprocessing (chat template, assistant turns)",
     )
     extract.add_argument("--seed", type=int, default=0, help="speculators' preprocessing seed (--conversations)")
+    extract.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="N generators as Ray actors (each --tp GPUs, or CPUs), fed batches from one queue (needs "
+        "spec-compat[ray]); without --ray-address on a local Ray",
+    )
+    extract.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (e.g. auto, or head-ip:6379) (--replicas)"
+    )
+    extract.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="--replicas: re-runs of a batch after engines died under it (then halves, then the sample is "
+        "recorded as failed); starts of a replica that fails to start",
+    )
     run_cmd = commands.add_parser(
         "run",
         help="run COMMAND (and every Python process it starts) with spec_compat applied",
@@ -100,12 +117,17 @@ def main(argv: list[str] | None = None) -> int:
             shard = parse_shard(args.shard)
         except ValueError as exc:
             extract.error(str(exc))
-        for name in ("batch_size", "batch_tokens", "writer_threads", "pending_batches", "tp", "max_model_len"):
+        positive = ("batch_size", "batch_tokens", "writer_threads", "pending_batches", "tp", "max_model_len")
+        for name in (*positive, "replicas"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 extract.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if args.text_field and args.conversations:
             extract.error("--text-field and --conversations exclude each other")
+        if args.ray_address is not None and args.replicas is None:
+            extract.error("--ray-address needs --replicas N")
+        if args.max_retries < 0:
+            extract.error(f"--max-retries must be >= 0, got {args.max_retries}")
         config = ExtractConfig(
             model=args.model,
             input=args.input,
@@ -130,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
         try:
+            if args.replicas is not None:
+                from .distributed import run_distributed
+
+                return run_distributed(config, args.replicas, args.ray_address, args.max_retries)
             return run_extract(config)
         except WriteFailed as exc:  # the samples already listed in the manifest are complete and kept
             print(f"spec-compat extract: error: {exc}; what is done is kept: rerun to finish", file=sys.stderr)

@@ -404,14 +404,33 @@ def write_sample(output: Path, idx: int, payload: dict[str, Any], sync: bool = T
     without it: the writer threads barely compete with the engine loop for the interpreter (saving
     through a Python file object copied every tensor into a bytes object under the GIL: extract
     ran at 0.79x the generator's own speed on an H200)."""
+    name = sample_file_name(idx)
+    return name, *_write_then_rename(output, name, name + ".tmp", payload, sync, rename=True)
+
+
+def sample_file_name(idx: int) -> str:
+    return f"data_{idx}.pt"
+
+
+def write_sample_unrenamed(
+    output: Path, idx: int, payload: dict[str, Any], tmp_name: str, sync: bool = True
+) -> tuple[int, str]:
+    """As write_sample, but the file stays under ``tmp_name`` (whoever records it renames it:
+    ``spec_compat.distributed``'s driver); returns (tokens, sha256)."""
+    return _write_then_rename(output, sample_file_name(idx), tmp_name, payload, sync, rename=False)
+
+
+def _write_then_rename(
+    output: Path, name: str, tmp_name: str, payload: dict[str, Any], sync: bool, rename: bool
+) -> tuple[int, str]:
     import torch
 
-    name = f"data_{idx}.pt"
-    tmp = output / (name + ".tmp")
+    tmp = output / tmp_name
     try:
         torch.save(payload, tmp)
         digest = _sha256_and_sync(tmp, sync)
-        os.replace(tmp, output / name)
+        if rename:
+            os.replace(tmp, output / name)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
@@ -419,7 +438,7 @@ def write_sample(output: Path, idx: int, payload: dict[str, Any], sync: bool = T
         if isinstance(exc, RuntimeError):  # torch's C++ writer: "unexpected pos 576 vs 534", no errno
             raise WriteFailed(f"cannot write {output / name}: {_why_write_failed(output, payload, exc)}") from None
         raise
-    return name, len(payload["input_ids"]), digest
+    return len(payload["input_ids"]), digest
 
 
 def _why_write_failed(output: Path, payload: dict[str, Any], exc: BaseException) -> str:
@@ -501,13 +520,19 @@ class BackgroundWriter:
 
 
 def _provenance(config: ExtractConfig, report: Any) -> dict[str, Any]:
+    return provenance(config, report.env.as_dict(), list(report.applied))
+
+
+def provenance(config: ExtractConfig, environment: dict[str, Any], applied: list[str]) -> dict[str, Any]:
+    """What manifest.json records about the run (``environment`` / ``applied``: spec_compat's
+    report where the generator runs)."""
     return {
         "format": FORMAT,
         "model": str(config.model),
         "layer_ids": list(config.layer_ids),
         "save_dtype": config.save_dtype,
-        "environment": report.env.as_dict(),
-        "adapters_applied": report.applied,
+        "environment": environment,
+        "adapters_applied": applied,
         "run": {
             "shard": f"{config.shard[0]}/{config.shard[1]}",
             "tensor_parallel_size": config.tensor_parallel_size,
@@ -595,15 +620,37 @@ def generate_isolating(
     return list(zip(batch, results, strict=True)), []
 
 
+def sample_payloads(good: list[tuple[Sample, dict[str, Any]]], save_dtype: Any) -> list[tuple[int, dict[str, Any]]]:
+    """(idx, what data_{idx}.pt holds) for each generated sample: ids, states in ``save_dtype``,
+    the loss mask cut to the ids the generator kept (all ones without a mask)."""
+    import torch
+
+    payloads = []
+    for sample, result in good:
+        ids = result["input_ids"].to(torch.long)
+        mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
+        payloads.append(
+            (
+                sample.idx,
+                {
+                    "input_ids": ids,
+                    "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
+                    "loss_mask": torch.as_tensor(mask, dtype=torch.long),
+                },
+            )
+        )
+    return payloads
+
+
 def _report_bad_lines(bad: list[BadLine], config: ExtractConfig) -> None:
     for item in bad:
         print(f"spec-compat extract: {config.input}: {item}", file=sys.stderr)
 
 
-def run(config: ExtractConfig) -> int:
-    """Check everything that can be checked before the engine loads (model config, layer ids,
-    every line of the dataset), then extract. Exit codes: 0 all done, 1 some samples failed or
-    a write failed (what is done is kept), 2 bad input (nothing written), 128 + signal."""
+def checked_samples(config: ExtractConfig) -> tuple[list[Sample], list[BadLine]] | None:
+    """Everything checked before an engine loads (model config, layer ids, every line); the
+    samples and the bad lines, or None when bad lines stop the run (they are printed); the
+    output directory exists afterwards."""
     facts = model_facts(config.model)
     check_layer_ids(config.layer_ids, facts)
     todo_all, bad = load_dataset(config, facts)
@@ -615,21 +662,21 @@ def run(config: ExtractConfig) -> int:
                 "(fix them, or --on-error skip to extract every good sample and list these in the manifest)",
                 file=sys.stderr,
             )
-            return 2
+            return None
     try:
         config.output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ExtractError(f"--output {config.output}: {exc.strerror or exc}") from None
+    return todo_all, bad
 
-    import spec_compat
 
-    report = spec_compat.apply(strict=True, dtype=config.dtype)
-
-    import torch
-    from speculators.data_generation import VllmHiddenStatesGenerator
-
+def open_manifest(
+    config: ExtractConfig, provenance: dict[str, Any], todo_all: list[Sample], bad: list[BadLine]
+) -> tuple[Manifest, list[Sample]]:
+    """The output's manifest (new, or the previous run's with its files verified) and the samples
+    still to extract; prints what was found and saves the manifest."""
     try:
-        manifest = Manifest(config.output, _provenance(config, report))
+        manifest = Manifest(config.output, provenance)
     except ValueError as exc:
         raise ExtractError(str(exc)) from None
     manifest.invalid(bad)
@@ -646,6 +693,27 @@ def run(config: ExtractConfig) -> int:
         file=sys.stderr,
     )
     manifest.save(config.fsync)
+    return manifest, todo
+
+
+def run(config: ExtractConfig) -> int:
+    """Check everything that can be checked before the engine loads (model config, layer ids,
+    every line of the dataset), then extract. Exit codes: 0 all done, 1 some samples failed or
+    a write failed (what is done is kept), 2 bad input (nothing written), 128 + signal."""
+    checked = checked_samples(config)
+    if checked is None:
+        return 2
+    todo_all, bad = checked
+
+    import spec_compat
+
+    report = spec_compat.apply(strict=True, dtype=config.dtype)
+
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    manifest, todo = open_manifest(config, _provenance(config, report), todo_all, bad)
+    limit = config.max_model_len - 1
     if not todo:
         return 1 if bad else 0
 
@@ -683,20 +751,7 @@ def run(config: ExtractConfig) -> int:
                 good, failed = generate_isolating(generator.generate, batch)
                 prepare_started = time.perf_counter()
                 generate_s += prepare_started - call_started
-                payloads = []
-                for sample, result in good:
-                    ids = result["input_ids"].to(torch.long)
-                    mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
-                    payloads.append(
-                        (
-                            sample.idx,
-                            {
-                                "input_ids": ids,
-                                "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
-                                "loss_mask": torch.as_tensor(mask, dtype=torch.long),
-                            },
-                        )
-                    )
+                payloads = sample_payloads(good, save_dtype)
                 del good
                 prepare_s += time.perf_counter() - prepare_started
                 if payloads:

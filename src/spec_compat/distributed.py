@@ -1,0 +1,660 @@
+"""``spec-compat extract --replicas N``: the same extraction over Ray, one generator per replica.
+
+Driver (this process): checks the dataset before anything loads (``extract.checked_samples``),
+owns ``manifest.json``, plans the batches a single-process run would (``extract.plan_batches``)
+and hands them out from one queue to whichever replica has room (at most ``--pending-batches``
+each), so a fast replica takes more.
+
+Replica (a Ray actor: one process and its vLLM workers): ``spec_compat.apply()`` before
+speculators is imported (its vLLM workers get the worker side through spec_compat's plugin, as in
+a single-process run), one untouched ``VllmHiddenStatesGenerator``; a batch runs with bad samples
+isolated (``extract.generate_isolating``), each ``data_{idx}.pt`` is written under a temporary
+directory unique to the attempt (fsync'd, sha256 of the bytes read back from the disk) and the replica
+returns (idx, temporary name, tokens, sha256, size).
+
+Exactly once: only the driver gives a file its final name (``os.replace``), after checking that
+the file it sees has the size the replica wrote, and only for a sample not listed yet; then the
+directory fsync, then the manifest. A replica given up for lost can at worst finish writing under
+its attempt's temporary directory, which the driver deletes.
+
+Faults: a replica whose engine died (a dead or silent vLLM worker: spec_compat's
+``WorkerProcessDied`` / ``WorkerTimeout`` / ``EngineStopped``) or whose process died is killed and
+started again, and its batches go back to the front of the queue. A batch that was running when
+engines died ``max_retries + 1`` times is split in halves, each of which gets one more attempt,
+down to single samples; a single sample that takes an engine down then is recorded as failed
+(never retried forever). A replica slot that fails to start ``max_retries + 1`` times in a row is
+given up; the job goes on with the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .extract import (
+    MANIFEST,
+    STATS,
+    ExtractConfig,
+    ExtractError,
+    Interrupted,
+    Manifest,
+    Sample,
+    WriteFailed,
+    _install_signal_handlers,
+    _write_json_atomic,
+    checked_samples,
+    disable_zip_crc32,
+    fsync_directory,
+    generate_isolating,
+    open_manifest,
+    plan_batches,
+    provenance,
+    sample_file_name,
+    sample_payloads,
+    write_sample_unrenamed,
+)
+
+# a replica's files until the driver renames them: {output}/TMP_DIR/{batch}-{attempt}/data_{idx}.pt.tmp (the
+# same base name as a single-process run's temporary file: torch.save names the archive's records after it, so
+# both runs write the same bytes)
+TMP_DIR = ".spec-compat-replicas"
+POLL_S = 0.5  # ray.wait timeout: how often progress is redrawn and a signal is noticed
+SHUTDOWN_WAIT_S = 30.0  # replicas' engine shutdown at the end (an interrupted job: a third of it)
+DEFAULT_MAX_RETRIES = 2
+NO_RAY = "--replicas needs Ray, which is not installed: pip install 'spec-compat[ray]' (or: pip install ray)"
+
+
+def _one_line(exc: BaseException | str) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if isinstance(exc, BaseException) else first
+
+
+class Replica:
+    """One generator in a Ray actor's process (``ray.remote(Replica)`` in ``run_distributed``).
+
+    Threaded (``max_concurrency``): one batch generates (under ``lock``) while the previous one's
+    files are written, and ``info`` / ``shutdown`` answer while a batch runs. The constructor never
+    raises: a failure is kept in ``start_error`` and reported by ``info()``, as one line."""
+
+    def __init__(self, config: ExtractConfig, slot: int, cpu_bind: str | None) -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.slot = slot
+        self.lock = threading.Lock()
+        self.lost: str | None = None  # why the engine can run no more batches
+        self.generator: Any = None
+        self.start_error: str | None = None
+        self.report: Any = None
+        self.pool = ThreadPoolExecutor(max(1, config.writer_threads), thread_name_prefix="spec-compat-writer")
+        if cpu_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind  # the vLLM workers this process starts
+        try:
+            import spec_compat
+
+            self.report = spec_compat.apply(strict=True, dtype=config.dtype)
+
+            import torch
+            from speculators.data_generation import VllmHiddenStatesGenerator
+
+            self.save_dtype = getattr(torch, config.save_dtype)
+            if not config.zip_crc32:
+                disable_zip_crc32()
+            self.generator = VllmHiddenStatesGenerator(
+                config.model,
+                layer_ids=config.layer_ids,
+                max_model_len=config.max_model_len,
+                tensor_parallel_size=config.tensor_parallel_size,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+            )
+        except Exception as exc:  # noqa: BLE001 - reported by info(), the driver decides
+            self.start_error = _one_line(exc)
+            sys.stderr.write(traceback.format_exc())
+        self.engine_start_s = time.perf_counter() - started
+
+    def info(self) -> dict[str, Any]:
+        workers = list(getattr(getattr(self.generator, "executor", None), "workers", None) or [])
+        max_seqs = getattr(getattr(self.generator, "scheduler", None), "max_num_running_reqs", 0)
+        return {
+            "error": self.start_error,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "worker_pids": [h.proc.pid for h in workers if getattr(h, "proc", None) is not None],
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cpu_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "max_num_seqs": int(max_seqs or 0),
+            "engine_start_s": self.engine_start_s,
+            "environment": self.report.env.as_dict() if self.report is not None else {},
+            "applied": list(self.report.applied) if self.report is not None else [],
+        }
+
+    def run_batch(self, batch: int, attempt: int, samples: list[Sample]) -> dict[str, Any]:
+        """Generate and write one batch; ``lost`` (with ``ran``: this batch was the one running)
+        when the engine can run no more, ``write_failed`` when a file could not be written."""
+        output, sync = self.config.output, self.config.fsync
+        with self.lock:
+            if self.lost is not None:
+                return {"lost": self.lost, "ran": False}
+            started = time.perf_counter()
+            try:
+                good, failed = generate_isolating(self.generator.generate, samples)
+            except Exception as exc:  # noqa: BLE001 - generate_isolating raises only errors that leave no engine
+                self.lost = _one_line(exc)
+                self._stop_engine()
+                return {"lost": self.lost, "ran": True}
+            generate_s = time.perf_counter() - started
+            payloads = sample_payloads(good, self.save_dtype)
+            del good
+        written_started = time.perf_counter()
+        futures: list[tuple[int, str, Future[tuple[int, str]]]] = []
+        attempt_dir = f"{TMP_DIR}/{batch}-{attempt}"
+        (output / attempt_dir).mkdir(parents=True, exist_ok=True)
+        for idx, payload in payloads:
+            tmp = f"{attempt_dir}/{sample_file_name(idx)}.tmp"
+            futures.append((idx, tmp, self.pool.submit(write_sample_unrenamed, output, idx, payload, tmp, sync)))
+        del payloads
+        written: list[tuple[int, str, int, str, int]] = []
+        problem: str | None = None
+        for idx, tmp, future in futures:
+            try:
+                tokens, digest = future.result()
+                written.append((idx, tmp, tokens, digest, (output / tmp).stat().st_size))
+            except (WriteFailed, OSError) as exc:
+                problem = problem or str(exc)
+        if problem is not None:
+            for _, tmp, _ in futures:
+                (output / tmp).unlink(missing_ok=True)
+            return {"write_failed": problem}
+        return {
+            "written": written,
+            "failed": [(sample.idx, detail) for sample, detail in failed],
+            "generate_s": generate_s,
+            "write_s": time.perf_counter() - written_started,
+        }
+
+    def _stop_engine(self) -> None:
+        executor = getattr(self.generator, "executor", None)
+        if executor is not None:
+            with contextlib.suppress(Exception):  # the engine is being given up anyway
+                executor.shutdown()
+
+    def shutdown(self) -> None:
+        self._stop_engine()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class WorkItem:
+    id: int
+    samples: list[Sample]
+    tokens: int
+    deaths: int = 0  # engines that died while this batch was the one running
+    attempts: int = 0
+
+
+@dataclass
+class Slot:
+    """A replica's place in the job, across the actors that fill it (a restart is a new actor)."""
+
+    index: int
+    actor: Any = None
+    state: str = "starting"  # starting, ready, failed (start failed, not retried yet), retired
+    in_flight: dict[Any, WorkItem] = field(default_factory=dict)  # ObjectRef -> batch, oldest first
+    start_failures: int = 0  # in a row
+    restarts: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    first_ready: float | None = None
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    generate_s: float = 0.0
+    engine_start_s: list[float] = field(default_factory=list)
+    last_error: str | None = None
+
+
+def _absolute_if_local(model: str) -> str:
+    return str(Path(model).resolve()) if Path(model).exists() else model
+
+
+def cpu_binding(slot: int, tp: int, replicas: int, cpus: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for one replica of a local CPU job: each of its TP ranks gets its
+    own share of the cores ("0-3|4-7"), replicas side by side (more ranks than cores share)."""
+    share = max(1, cpus // max(1, replicas * tp))
+    ranks = []
+    for rank in range(tp):
+        first = ((slot * tp + rank) * share) % cpus
+        last = min(first + share, cpus) - 1
+        ranks.append(str(first) if first == last else f"{first}-{last}")
+    return "|".join(ranks)
+
+
+class Job:
+    """The driver's side: queue, replicas, manifest."""
+
+    def __init__(
+        self,
+        ray: Any,
+        config: ExtractConfig,
+        manifest: Manifest,
+        todo: list[Sample],
+        replicas: int,
+        max_retries: int,
+        local: bool,
+        new_manifest: bool,
+    ) -> None:
+        self.ray = ray
+        self.config = config
+        self.manifest = manifest
+        self.todo = todo
+        self.max_retries = max_retries
+        self.new_manifest = new_manifest
+        self.limit = config.max_model_len - 1
+        self.total_samples = len(todo)
+        self.total_tokens = sum(min(len(s.input_ids), self.limit) for s in todo)
+        self.slots = [Slot(i) for i in range(replicas)]
+        self.refs: dict[Any, Slot] = {}  # run_batch ObjectRefs
+        self.starting: dict[Any, Slot] = {}  # info() ObjectRefs of replicas starting
+        self.queue: deque[WorkItem] | None = None  # planned once the first replica says its max_num_seqs
+        self.next_id = 0
+        self.failures = 0
+        self.stopping = False
+        self.done_samples = self.done_tokens = 0
+        self.started: float | None = None  # the first replica ready: batches start
+        self.finished: float | None = None  # the last batch recorded (the shutdown after it not counted)
+        self.ever_ready = False
+        self.actor_class = ray.remote(Replica)
+        resources = ray.cluster_resources()
+        tp = config.tensor_parallel_size
+        self.gpus = float(resources.get("GPU", 0))
+        if self.gpus > 0:
+            self.options: dict[str, Any] = {"num_gpus": tp, "num_cpus": 1}
+            needed, have, what = replicas * tp, self.gpus, "GPUs"
+        else:
+            self.options = {"num_cpus": tp}
+            needed, have, what = replicas * tp, float(resources.get("CPU", 0)), "CPUs"
+        if have < needed:
+            raise ExtractError(
+                f"--replicas {replicas} x --tp {tp} needs {needed} {what}; the Ray cluster has {have:g}"
+            )
+        bind_cpus = local and self.gpus == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+        self.cpus = os.cpu_count() or 1
+        self.bind = bind_cpus
+
+    # --- replicas -------------------------------------------------------------------------
+
+    def start(self, slot: Slot) -> None:
+        bind = (
+            cpu_binding(slot.index, self.config.tensor_parallel_size, len(self.slots), self.cpus) if self.bind else None
+        )
+        slot.actor = self.actor_class.options(
+            max_concurrency=self.config.pending_batches + 2, max_restarts=0, **self.options
+        ).remote(self.config, slot.index, bind)
+        slot.state = "starting"
+        self.starting[slot.actor.info.remote()] = slot
+
+    def _kill(self, slot: Slot) -> None:
+        if slot.actor is not None:
+            with contextlib.suppress(Exception):  # already gone
+                self.ray.kill(slot.actor, no_restart=True)
+        slot.actor = None
+        for ref in slot.in_flight:
+            self.refs.pop(ref, None)
+        slot.in_flight.clear()
+
+    def on_started(self, ref: Any, slot: Slot) -> None:
+        try:
+            info = self.ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - the actor process died while starting
+            info = {"error": _one_line(exc)}
+        if info.get("error"):
+            self._kill(slot)
+            slot.start_failures += 1
+            slot.last_error = info["error"]
+            if slot.start_failures > self.max_retries:
+                slot.state = "retired"
+                _say(f"replica {slot.index} could not start {slot.start_failures} times: given up ({info['error']})")
+            elif self.ever_ready:
+                _say(f"replica {slot.index} could not start ({info['error']}): starting it again")
+                self.start(slot)
+            else:
+                slot.state = "failed"  # retried once another replica shows the job can start at all
+                _say(f"replica {slot.index} could not start: {info['error']}")
+            return
+        slot.state, slot.info, slot.start_failures = "ready", info, 0
+        slot.engine_start_s.append(info["engine_start_s"])
+        if slot.first_ready is None:
+            slot.first_ready = time.perf_counter()
+        where = f"on {info['host']} (pid {info['pid']}, vLLM workers {' '.join(map(str, info['worker_pids']))}"
+        where += f", GPUs {info['gpus']})" if self.gpus else f", CPUs {info['cpu_bind'] or 'as vLLM binds them'})"
+        _say(f"replica {slot.index} ready {where} in {info['engine_start_s']:.1f} s")
+        if not self.ever_ready:
+            self.ever_ready = True
+            self._first_ready(info)
+            for other in self.slots:
+                if other.state == "failed":
+                    self.start(other)
+
+    def _first_ready(self, info: dict[str, Any]) -> None:
+        if self.new_manifest:  # what the replicas run with (the driver may not even have vLLM)
+            self.manifest.data["provenance"]["environment"] = info["environment"]
+            self.manifest.data["provenance"]["adapters_applied"] = info["applied"]
+            self.manifest.save(self.config.fsync)
+        lengths = [min(len(s.input_ids), self.limit) for s in self.todo]
+        max_samples = self.config.batch_size or info["max_num_seqs"] or 16
+        self.queue = deque(
+            WorkItem(i, self.todo[begin:end], sum(lengths[begin:end]))
+            for i, (begin, end) in enumerate(plan_batches(lengths, max_samples, self.config.batch_tokens))
+        )
+        self.next_id = len(self.queue)
+        self.started = time.perf_counter()
+
+    def lose(self, slot: Slot, reason: str, culprit: WorkItem) -> None:
+        """The replica's engine (or process) is gone: its batches back to the queue, a new replica."""
+        items = list(slot.in_flight.values())
+        self._kill(slot)
+        slot.restarts += 1
+        slot.last_error = reason
+        assert self.queue is not None
+        requeue: list[WorkItem] = []
+        for item in items:
+            if item is not culprit:
+                requeue.append(item)
+                continue
+            item.deaths += 1
+            if item.deaths <= self.max_retries:
+                requeue.append(item)
+            elif len(item.samples) > 1:  # one of its samples may take the engine down: halves, one attempt each
+                half = len(item.samples) // 2
+                for part in (item.samples[:half], item.samples[half:]):
+                    tokens = sum(min(len(s.input_ids), self.limit) for s in part)
+                    requeue.append(WorkItem(self.next_id, part, tokens, deaths=self.max_retries))
+                    self.next_id += 1
+            else:
+                sample = item.samples[0]
+                self.failures += 1
+                self.manifest.fail([sample.idx], f"an engine died while running it, {item.deaths} times: {reason}")
+                self.manifest.save(self.config.fsync)
+                _say(f"sample {sample.idx} failed: an engine died while running it, {item.deaths} times ({reason})")
+                if self.config.on_error == "stop":
+                    self.stopping = True
+        self.queue.extendleft(reversed(requeue))
+        _say(
+            f"replica {slot.index} lost ({reason}) while running batch {culprit.id} ({len(culprit.samples)} samples): "
+            f"{len(requeue)} batch(es) back in the queue; starting a new replica"
+        )
+        if not self.stopping:
+            self.start(slot)
+        else:
+            slot.state = "retired"
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def fill(self) -> None:
+        if self.queue is None or self.stopping:
+            return
+        for slot in self.slots:
+            while slot.state == "ready" and self.queue and len(slot.in_flight) < self.config.pending_batches:
+                item = self.queue.popleft()
+                item.attempts += 1
+                ref = slot.actor.run_batch.remote(item.id, item.attempts, item.samples)
+                slot.in_flight[ref] = item
+                self.refs[ref] = slot
+
+    def on_result(self, ref: Any, slot: Slot) -> None:
+        item = slot.in_flight[ref]
+        oldest = next(iter(slot.in_flight.values()))  # the one holding the engine, as far as the driver knows
+        try:
+            result = self.ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - the actor process died (killed, out of memory, its node)
+            self.lose(slot, f"replica process died: {_one_line(exc)}", oldest)
+            return
+        if "lost" in result:
+            self.lose(slot, result["lost"], item if result["ran"] else oldest)
+            return
+        del slot.in_flight[ref]
+        self.refs.pop(ref)
+        if "write_failed" in result:
+            raise WriteFailed(result["write_failed"])
+        self.record(slot, item, result)
+
+    def record(self, slot: Slot, item: WorkItem, result: dict[str, Any]) -> None:
+        output, listed = self.config.output, self.manifest.data["samples"]
+        renamed: list[tuple[int, str, int, str]] = []
+        for idx, tmp, tokens, digest, size in result["written"]:
+            path = output / tmp
+            if str(idx) in listed:  # a duplicate (cannot happen with one queue; kept exactly once regardless)
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                seen = path.stat().st_size
+            except FileNotFoundError:
+                raise ExtractError(
+                    f"replica {slot.index} on {slot.info.get('host')} wrote {path}, which this machine cannot see: "
+                    "--output must be a directory every node shares"
+                ) from None
+            if seen != size:
+                raise WriteFailed(f"{path}: replica {slot.index} wrote {size} bytes, {seen} are on the disk")
+            name = sample_file_name(idx)
+            os.replace(path, output / name)
+            renamed.append((idx, name, tokens, digest))
+        if renamed and self.config.fsync:
+            fsync_directory(output)  # the renames, before the manifest names the files
+        if result["written"]:
+            shutil.rmtree(output / Path(result["written"][0][1]).parent, ignore_errors=True)
+        for idx, name, tokens, digest in renamed:
+            self.manifest.record(idx, name, tokens, digest)
+        for idx, detail in result["failed"]:
+            self.failures += 1
+            self.manifest.fail([idx], detail)
+            _say(f"sample {idx} failed:\n{detail}")
+            if self.config.on_error == "stop":
+                self.stopping = True
+        self.manifest.save(self.config.fsync)
+        slot.batches += 1
+        slot.samples += len(renamed)
+        slot.tokens += item.tokens
+        slot.generate_s += result["generate_s"]
+        self.done_samples += len(item.samples)
+        self.done_tokens += item.tokens
+        self.progress()
+
+    def progress(self) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - (self.started or now), 1e-9)
+        rate = self.done_tokens / elapsed
+        eta = (self.total_tokens - self.done_tokens) / rate if rate > 0 else float("inf")
+        width = 30
+        filled = int(width * self.done_samples / max(self.total_samples, 1))
+        per = " ".join(
+            f"r{s.index} {s.samples} ({s.tokens / max(now - s.first_ready, 1e-9):,.0f} tok/s)"
+            for s in self.slots
+            if s.first_ready is not None
+        )
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done_samples}/{self.total_samples} samples "
+            f"{rate:,.0f} tok/s ETA {eta:,.0f}s | {per}   "
+        )
+        sys.stderr.flush()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        for slot in self.slots:
+            self.start(slot)
+        while True:
+            self.fill()
+            if self.queue is not None and (self.stopping or not self.queue) and not self.refs:
+                self.finished = time.perf_counter()
+                return
+            if not self.refs and not self.starting and not any(s.state in ("ready", "starting") for s in self.slots):
+                first = next((s.last_error for s in self.slots if s.last_error), "unknown error")
+                if not self.ever_ready:
+                    raise ExtractError(f"no replica could start: {first}")
+                raise ReplicasLost(f"every replica was lost or could not be restarted (last: {first})")
+            waiting = list(self.refs) + list(self.starting)
+            ready, _ = self.ray.wait(waiting, num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                if ref in self.starting:
+                    self.on_started(ref, self.starting.pop(ref))
+                elif ref in self.refs:
+                    self.on_result(ref, self.refs[ref])
+
+    def shutdown(self, wait_s: float) -> None:
+        """Each replica shuts its engine down (its vLLM workers exit), then its process is killed."""
+        actors = [s.actor for s in self.slots if s.actor is not None]
+        refs = []
+        for actor in actors:
+            with contextlib.suppress(Exception):  # already gone
+                refs.append(actor.shutdown.remote())
+        if refs:
+            with contextlib.suppress(Exception):  # replicas that do not answer are killed below
+                self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for slot in self.slots:
+            self._kill(slot)
+
+    def summary(self) -> list[dict[str, Any]]:
+        now = self.finished or time.perf_counter()
+        rows = []
+        for s in self.slots:
+            busy = now - s.first_ready if s.first_ready is not None else 0.0
+            rows.append(
+                {
+                    "replica": s.index,
+                    "host": s.info.get("host"),
+                    "gpus": s.info.get("gpus"),
+                    "cpu_bind": s.info.get("cpu_bind"),
+                    "batches": s.batches,
+                    "samples": s.samples,
+                    "tokens": s.tokens,
+                    "tokens_per_s": s.tokens / busy if busy > 0 else None,
+                    "generate_s": s.generate_s,
+                    "engine_start_s": s.engine_start_s,
+                    "restarts": s.restarts,
+                    "state": s.state,
+                    "last_error": s.last_error,
+                }
+            )
+        return rows
+
+
+class ReplicasLost(WriteFailed):
+    """No replica is left to run the rest (what is done is kept: a rerun finishes it)."""
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"\nspec-compat extract: {text}\n")
+    sys.stderr.flush()
+
+
+def _init_ray(ray: Any, address: str | None, replicas: int, tp: int) -> None:
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, replicas * tp),  # logical: replicas x TP always fit on this machine
+        include_dashboard=False,
+        object_store_memory=512 * 1024 * 1024,  # batches of token ids and file names, nothing large
+        log_to_driver=True,
+    )
+
+
+def run_distributed(
+    config: ExtractConfig, replicas: int, ray_address: str | None = None, max_retries: int = DEFAULT_MAX_RETRIES
+) -> int:
+    """``extract.run`` over ``replicas`` Ray actors; same checks, files, manifest and exit codes
+    (0 all done, 1 samples failed / a write failed / every replica lost, 2 bad input, 128 + signal)."""
+    try:
+        import ray
+    except ImportError:
+        raise ExtractError(NO_RAY) from None
+    config = dataclasses.replace(
+        config, output=config.output.resolve(), input=config.input.resolve(), model=_absolute_if_local(config.model)
+    )
+    checked = checked_samples(config)
+    if checked is None:
+        return 2
+    todo_all, bad = checked
+    shutil.rmtree(config.output / TMP_DIR, ignore_errors=True)  # attempts of an earlier job
+    from .detect import detect
+
+    new_manifest = not (config.output / MANIFEST).exists()
+    manifest, todo = open_manifest(config, provenance(config, detect().as_dict(), []), todo_all, bad)
+    manifest.data["runs"][-1].update(replicas=replicas, ray_address=ray_address, max_retries=max_retries)
+    if not todo:
+        return 1 if bad else 0
+
+    restore_signals = _install_signal_handlers()
+    job: Job | None = None
+    interrupted: Interrupted | None = None
+    try:
+        _init_ray(ray, ray_address, replicas, config.tensor_parallel_size)
+        job = Job(ray, config, manifest, todo, replicas, max_retries, ray_address is None, new_manifest)
+        try:
+            job.run()
+        finally:
+            sys.stderr.write("\n")
+    except Interrupted as exc:
+        interrupted = exc
+    finally:
+        try:
+            if job is not None:
+                job.shutdown(SHUTDOWN_WAIT_S / 3 if interrupted else SHUTDOWN_WAIT_S)
+            if ray.is_initialized():
+                ray.shutdown()
+            shutil.rmtree(config.output / TMP_DIR, ignore_errors=True)
+        finally:
+            restore_signals()
+    assert job is not None
+    extract_s = (job.finished or time.perf_counter()) - job.started if job.started is not None else 0.0
+    rows = job.summary()
+    for row in rows:
+        restarts = f", {row['restarts']} restart(s) (last: {row['last_error']})" if row["restarts"] else ""
+        if not row["engine_start_s"]:
+            why = row["last_error"] or "still starting when the work ran out"
+            print(f"spec-compat extract: replica {row['replica']}: ran no batch ({why}){restarts}", file=sys.stderr)
+            continue
+        starts = ", ".join(f"{s:.1f}" for s in row["engine_start_s"])
+        print(
+            f"spec-compat extract: replica {row['replica']} ({row['host']}): {row['batches']} batches, "
+            f"{row['samples']} samples, {row['tokens']:,} tokens, {row['tokens_per_s'] or 0:,.0f} tok/s "
+            f"(generating {row['generate_s']:.1f} s), engine start {starts} s{restarts}",
+            file=sys.stderr,
+        )
+    if interrupted is not None:
+        print(
+            f"spec-compat extract: interrupted by {interrupted.args[0]}: {len(manifest.data['samples'])} sample(s) "
+            f"are complete and listed in {manifest.path}; run the same command again to extract the rest",
+            file=sys.stderr,
+        )
+        return 128 + interrupted.signum
+    stats = {
+        "samples": sum(r["samples"] for r in rows),
+        "tokens": job.done_tokens,
+        "batches": sum(r["batches"] for r in rows),
+        "extract_s": extract_s,
+        "tokens_per_s": job.done_tokens / extract_s if extract_s > 0 else None,
+        "replicas": rows,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "ray_address": ray_address,
+        "fsync": config.fsync,
+    }
+    _write_json_atomic(config.output / STATS, stats)
+    print(
+        f"spec-compat extract: {stats['samples']} samples, {job.done_tokens:,} tokens in {extract_s:.1f} s "
+        f"({stats['tokens_per_s'] or 0:,.0f} tok/s over {replicas} replicas; from the first replica ready)",
+        file=sys.stderr,
+    )
+    return 1 if job.failures or bad else 0
