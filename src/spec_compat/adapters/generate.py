@@ -1,19 +1,20 @@
 """Wrappers around ``VllmHiddenStatesGenerator.__init__`` / ``generate``: checks and ordering.
 
 They patch speculators' own class, so vLLM is untouched. Each wrapper is a separate registry
-adapter; the wrapped originals stay reachable through ``__wrapped__``.
+adapter (a ``wrapt.FunctionWrapper``); the wrapped originals stay reachable through ``__wrapped__``.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import warnings
 from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import wrapt
 
 from ..contract import check_results
 from ..errors import IncompatibleError
@@ -30,10 +31,11 @@ GeneratorMethod = Callable[..., Any]
 def _wrap_method(
     ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]
 ) -> None:
-    """Install ``make(original)`` as ``name``; the time it spends outside ``original`` is
+    """Install ``make(original)`` as ``name`` (a ``wrapt.FunctionWrapper``: the original's name,
+    signature and descriptor binding are kept); the time it spends outside ``original`` is
     accounted as ``own:<adapter_id>`` (``spec_compat.timings()``)."""
     cls = _generator(ctx).VllmHiddenStatesGenerator
-    original = getattr(cls, name)
+    original = getattr(cls, name)  # an earlier adapter's wrapper, bound to the class: called with self
     own = OwnTime(f"own:{adapter_id}")
 
     def timed_original(*args: Any, **kwargs: Any) -> Any:
@@ -42,13 +44,11 @@ def _wrap_method(
 
     body = make(timed_original)
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def call(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with own.around():
-            return body(*args, **kwargs)
+            return body(*args, **kwargs) if instance is None else body(instance, *args, **kwargs)
 
-    installed = functools.wraps(original)(wrapper)
-    installed.spec_compat_adapter = adapter_id  # type: ignore[attr-defined]
-    patcher.replace(adapter_id, cls, name, installed)
+    patcher.replace(adapter_id, cls, name, wrapt.FunctionWrapper(vars(cls).get(name, original), call))
 
 
 # ---- input validation ---------------------------------------------------------------------------------

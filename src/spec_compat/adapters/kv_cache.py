@@ -5,6 +5,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import wrapt
+
 from ..calls import KeywordPlan, accepts, innermost, required
 from ..options import Context
 from ..patching import Patcher
@@ -129,30 +131,28 @@ def apply_kv_config_fields(ctx: Context, patcher: Patcher) -> None:
 # proxy whose `cuda` answers (0, 0) when CUDA is unavailable; torch itself is untouched.
 
 
-class _CudaProxy(types.ModuleType):
-    def __init__(self, cuda: types.ModuleType) -> None:
-        super().__init__("spec_compat_cuda_proxy")
-        self._cuda = cuda
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cuda, name)
+class _CudaProxy(wrapt.ObjectProxy):  # type: ignore[type-arg, misc]
+    """``torch.cuda`` whose memory queries answer as a device without memory when CUDA is unavailable."""
 
     def mem_get_info(self, *args: Any) -> tuple[int, int]:
-        return self._cuda.mem_get_info(*args) if self._cuda.is_available() else (0, 0)
+        cuda = self.__wrapped__
+        return cuda.mem_get_info(*args) if cuda.is_available() else (0, 0)  # type: ignore[no-any-return]
 
     def empty_cache(self) -> None:
-        if self._cuda.is_available():
-            self._cuda.empty_cache()
+        if self.__wrapped__.is_available():
+            self.__wrapped__.empty_cache()
 
 
-class _TorchProxy(types.ModuleType):
+class _TorchProxy(wrapt.ObjectProxy):  # type: ignore[type-arg, misc]
+    """``torch`` with ``cuda`` replaced by ``_CudaProxy``; every other name is torch's own."""
+
     def __init__(self, torch: types.ModuleType) -> None:
-        super().__init__("spec_compat_torch_proxy")
-        self._torch = torch
-        self.cuda = _CudaProxy(torch.cuda)
+        super().__init__(torch)
+        self._self_cuda = _CudaProxy(torch.cuda)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._torch, name)
+    @property
+    def cuda(self) -> _CudaProxy:
+        return self._self_cuda
 
 
 # speculators 0.4.x asks its own helpers instead (speculators.utils.util.mem_get_info/empty_cache),

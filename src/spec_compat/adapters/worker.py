@@ -12,6 +12,8 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
+import wrapt
+
 from .. import transfer
 from ..options import Context
 from ..patching import Patcher
@@ -144,19 +146,20 @@ def find_base_model(model: Any) -> Any:
     return None
 
 
-class WrapperView:
+class WrapperView(wrapt.ObjectProxy):  # type: ignore[type-arg, misc]
     """A multimodal wrapper as speculators' capture set-up reads it: ``.model`` and
     ``.get_language_model().model`` are the text base model; every other attribute is the wrapper's."""
 
     def __init__(self, wrapper: Any, base: Any) -> None:
-        self.__dict__["spec_compat_wrapper"] = wrapper
-        self.__dict__["model"] = base
+        super().__init__(wrapper)
+        self._self_model = base
+
+    @property
+    def model(self) -> Any:
+        return self._self_model
 
     def get_language_model(self) -> Any:
         return self  # its `.model` is the base model
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["spec_compat_wrapper"], name)
 
 
 def _speculators_lookup_works(model: Any, reads_language_model: bool) -> bool:
