@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from importlib.util import find_spec
 
+from .environ import scoped_environ
 from .versions import ParsedVersion, parse_version
 
 VERSION_OVERRIDE_ENV = "SPEC_COMPAT_VLLM_VERSION"
@@ -80,19 +81,13 @@ def _platform(torch_version: ParsedVersion) -> str:
     # A plain `torch==X` wheel from PyPI is a CUDA build on Linux x86_64; whether a GPU is
     # there is only known after importing torch. The NVML-based check does not initialise CUDA
     # (torch's default one would make a later fork of the vLLM workers fail).
-    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        import torch
+    with scoped_environ({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}):
+        try:
+            import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001 - an unusable torch is reported, not raised
-        return "unknown"
-    finally:
-        if saved is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except Exception:  # noqa: BLE001 - an unusable torch is reported, not raised
+            return "unknown"
 
 
 def detect() -> Environment:

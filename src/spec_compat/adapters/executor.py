@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import remote_errors, timing, transfer
+from ..environ import scoped_environ
 from ..errors import EngineStopped, WorkerError, WorkerTimeout
 from ..options import WORKER_ENV, Context
 from ..patching import Patcher
@@ -37,20 +38,6 @@ _SUBCLASSES: dict[type, type] = {}
 
 def executor_for(vllm_config: Any) -> Any:
     return _EXECUTORS.get(id(vllm_config))
-
-
-@contextlib.contextmanager
-def _scoped_environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def cuda_driver_initialized() -> bool:
@@ -287,7 +274,7 @@ def make_executor_class(base: type) -> type:
             # driver is still uninitialised (scoped like the rest: a later executor checks again).
             env.update(_start_method_env())
             entry_point = _worker_entry_point() if self.worker_options_json is not None else contextlib.nullcontext()
-            with _scoped_environ(env), entry_point:
+            with scoped_environ(env), entry_point:
                 super().__init__(vllm_config, *args, **kwargs)
             _EXECUTORS[id(vllm_config)] = self
             self.replies_read = [0] * len(getattr(self, "response_mqs", None) or [])
