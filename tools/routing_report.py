@@ -100,13 +100,27 @@ def expert_weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch
 
 
 def router_margin(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> float | None:
-    """Lowest selected score minus highest unselected score (None when every expert is selected)."""
+    """How near the choice was to a tie: lowest selected score minus highest unselected one among
+    the experts the router could pick. A group-limited router (DeepSeek-V3: ``num_group`` groups,
+    the best ``topk_group`` by their top-2 sum, experts only from those) also has a group margin
+    (lowest chosen group score minus highest unchosen); the smaller of the two is returned. None
+    when every eligible expert is selected."""
     scores = selection_scores(router, logits)
-    mask = torch.zeros_like(scores, dtype=torch.bool)
-    mask[experts] = True
-    if bool(mask.all()):
-        return None
-    return float(scores[mask].min() - scores[~mask].max())
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    selected[experts] = True
+    eligible = torch.ones_like(selected)
+    margins = []
+    groups, topk_groups = int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1)
+    if groups > 1 and topk_groups < groups:
+        per_group = scores.view(groups, -1)
+        group_scores = per_group.topk(min(2, per_group.shape[1]), dim=-1).values.sum(dim=-1)
+        chosen_groups = selected.view(groups, -1).any(dim=-1)
+        margins.append(float(group_scores[chosen_groups].min() - group_scores[~chosen_groups].max()))
+        eligible = chosen_groups.unsqueeze(-1).expand_as(per_group).reshape(-1)
+    unselected = eligible & ~selected
+    if bool(unselected.any()):
+        margins.append(float(scores[selected].min() - scores[unselected].max()))
+    return min(margins) if margins else None
 
 
 def one_swap_sets(experts: list[int], num_experts: int) -> list[list[int]]:
