@@ -512,12 +512,13 @@ class Job:
                     self.on_result(ref, self.refs[ref])
 
     def shutdown(self, wait_s: float) -> None:
-        """Each replica shuts its engine down (its vLLM workers exit), then its process is killed."""
-        actors = [s.actor for s in self.slots if s.actor is not None]
+        """Each ready replica shuts its engine down (its vLLM workers exit), then every replica
+        process is killed (one still loading at once: its workers exit with their parent)."""
         refs = []
-        for actor in actors:
-            with contextlib.suppress(Exception):  # already gone
-                refs.append(actor.shutdown.remote())
+        for slot in self.slots:
+            if slot.actor is not None and slot.state == "ready":
+                with contextlib.suppress(Exception):  # already gone
+                    refs.append(slot.actor.shutdown.remote())
         if refs:
             with contextlib.suppress(Exception):  # replicas that do not answer are killed below
                 self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)

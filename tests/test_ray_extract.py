@@ -1,0 +1,229 @@
+"""``spec-compat extract --replicas N`` on a local Ray with real vLLM: the files of a single-process
+run (same bytes), HF's hidden states, replicas whose vLLM worker is killed, an interrupted job."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_harness import model_dir, require_speculators
+from tiny_models import hf_layer_outputs
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.engine
+LAYERS = [2, 0, 3]
+SAMPLES = 240  # batches of 4: a few seconds of work for one replica, so a kill lands mid-run
+READY = re.compile(r"replica (\d) ready on \S+ \(pid \d+, vLLM workers ([\d ]+),")
+
+
+def _dataset(path: Path) -> Path:
+    rng = random.Random(7)
+    with path.open("w") as handle:
+        for _ in range(SAMPLES):
+            handle.write(json.dumps({"input_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(1, 90))]}) + "\n")
+    return path
+
+
+def _command(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "spec_compat", "extract", "--model", str(model_dir("dense")), "--input", str(data),
+        "--output", str(out), "--layer-ids", ",".join(map(str, LAYERS)), "--max-model-len", "256",
+        "--dtype", "float32", "--save-dtype", "float32", "--batch-size", "4", *extra,
+    ]  # fmt: skip
+
+
+def _env(single_process: bool = False) -> dict[str, str]:
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(require_speculators("0.4.0.1")), os.environ.get("PYTHONPATH")])),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # replicas: one core each (the driver binds them)
+    if single_process:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the same one thread a replica has
+    return env
+
+
+def _run(cmd: list[str], single_process: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=_env(single_process), capture_output=True, text=True, timeout=600)
+
+
+def _listed(out: Path) -> dict[str, dict[str, object]]:
+    """The manifest's samples, each file checked against its sha256; no replica's file left over."""
+    samples: dict[str, dict[str, object]] = json.loads((out / "manifest.json").read_text())["samples"]
+    for key, entry in samples.items():
+        digest = hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest()
+        assert digest == entry["sha256"], f"sample {key} is listed but its file is not complete"
+    assert not (out / ".spec-compat-replicas").exists() and not list(out.glob("*.tmp"))
+    return samples
+
+
+def _exactly_once(out: Path, reference: Path) -> None:
+    """Every sample once, each file the single-process run's file byte for byte."""
+    listed, expected = _listed(out), _listed(reference)
+    assert sorted(map(int, listed)) == list(range(SAMPLES))
+    assert sorted(p.name for p in out.glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(SAMPLES))
+    different = [k for k in expected if listed[k]["sha256"] != expected[k]["sha256"]]
+    assert not different, f"files differ from the single-process run's: {different[:10]}"
+
+
+def _group_gone(pgid: int, wait_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The dataset and a single-process extract of it (no Ray)."""
+    tmp = tmp_path_factory.mktemp("ray_extract")
+    data = _dataset(tmp / "data.jsonl")
+    out = tmp / "single"
+    proc = _run(_command(data, out), single_process=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return data, out
+
+
+def test_two_replicas_write_the_single_process_files_and_hf_states(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    data, single = reference
+    out = tmp_path / "replicas"
+    proc = _run(_command(data, out, "--replicas", "2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"0 done, {SAMPLES} to do" in proc.stderr and "Traceback" not in proc.stderr
+    _exactly_once(out, single)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "request-kwargs" in manifest["provenance"]["adapters_applied"]  # applied in the replicas
+    assert manifest["runs"][-1]["replicas"] == 2
+    stats = json.loads((out / "extract_stats.json").read_text())
+    assert [r["replica"] for r in stats["replicas"]] == [0, 1]
+    assert sum(r["samples"] for r in stats["replicas"]) == SAMPLES and stats["batches"] == SAMPLES // 4
+    assert re.search(r"replica 0 \(\S+\): \d+ batches, \d+ samples", proc.stderr) or "replica 0: ran no batch" in (
+        proc.stderr
+    )
+    lines = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
+    files = {int(k): torch.load(out / v["file"], weights_only=True) for k, v in manifest["samples"].items()}
+    want = hf_layer_outputs(model_dir("dense"), lines, LAYERS)
+    for idx, sample in files.items():
+        assert sample["input_ids"].tolist() == lines[idx]
+        assert sample["loss_mask"].tolist() == [1] * len(lines[idx])
+        for got, expected in zip(sample["hidden_states"], want[idx], strict=True):
+            assert torch.allclose(got, expected, atol=2e-3, rtol=1e-3), (idx, float((got - expected).abs().max()))
+
+
+def _watch(proc: subprocess.Popen[str], log: Path, until: float) -> str:
+    text = log.read_text() if log.exists() else ""
+    if proc.poll() is not None or time.monotonic() > until:
+        raise AssertionError(f"exited ({proc.returncode}) or timed out before the event:\n{text[-4000:]}")
+    return text
+
+
+def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Each replica's vLLM worker is SIGKILLed as soon as it is ready (so neither first replica can
+    finish the job): their batches go back to the queue, new replicas take over."""
+    data, single = reference
+    out, log = tmp_path / "faults", tmp_path / "faults.log"
+    with log.open("w") as handle:
+        proc = subprocess.Popen(_command(data, out, "--replicas", "2"), env=_env(), stdout=handle, stderr=handle,
+                                text=True, start_new_session=True)  # fmt: skip
+    killed: dict[str, int] = {}
+    try:
+        until = time.monotonic() + 400
+        while len(killed) < 2:
+            for replica, pids in READY.findall(_watch(proc, log, until)):
+                if replica not in killed:
+                    killed[replica] = int(pids.split()[0])
+                    os.kill(killed[replica], signal.SIGKILL)
+            time.sleep(0.05)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    for replica, pid in killed.items():
+        assert re.search(
+            rf"replica {replica} lost \(WorkerError: WorkerProcessDied: worker process rank 0 \(pid {pid}\) "
+            r"killed by signal 9 \(SIGKILL\).*starting a new replica",
+            stderr,
+        ), stderr[-4000:]
+    _exactly_once(out, single)
+    stats = json.loads((out / "extract_stats.json").read_text())
+    assert [r["restarts"] for r in stats["replicas"]] == [1, 1]
+    assert sum(r["samples"] for r in stats["replicas"]) == SAMPLES
+    assert _group_gone(proc.pid), "a process of the job outlived it"
+    print(f"killed workers {killed}; per replica: {[(r['batches'], r['engine_start_s']) for r in stats['replicas']]}")
+
+
+def test_interrupted_job_stops_cleanly_and_a_rerun_finishes_the_rest(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    data, single = reference
+    out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
+    with log.open("w") as handle:
+        proc = subprocess.Popen(_command(data, out, "--replicas", "2"), env=_env(), stdout=handle, stderr=handle,
+                                text=True, start_new_session=True)  # fmt: skip
+    try:
+        until = time.monotonic() + 400
+        manifest = out / "manifest.json"
+        while not (manifest.exists() and len(json.loads(manifest.read_text())["samples"]) >= 8):
+            _watch(proc, log, until)
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        to_exit = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = log.read_text()
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-4000:]
+    assert "interrupted by SIGINT" in stderr and "Traceback" not in stderr, stderr[-4000:]
+    assert _group_gone(proc.pid), "a replica or vLLM worker outlived the interrupted job"
+    kept = _listed(out)
+    assert 8 <= len(kept) < SAMPLES
+    mtimes = {k: (out / str(v["file"])).stat().st_mtime_ns for k, v in kept.items()}
+    print(f"SIGINT: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")
+    rerun = _run(_command(data, out, "--replicas", "1"))
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert f"{len(kept)} done, {SAMPLES - len(kept)} to do" in rerun.stderr
+    _exactly_once(out, single)
+    assert all((out / f"data_{k}.pt").stat().st_mtime_ns == m for k, m in mtimes.items())
+
+
+def test_without_ray_installed_the_error_is_one_line(reference: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = reference
+    shadow = tmp_path / "no_ray"
+    (shadow / "ray").mkdir(parents=True)
+    (shadow / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
+    proc = subprocess.run(_command(data, tmp_path / "out", "--replicas", "2"), env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "spec-compat extract: error: --replicas needs Ray, which is not installed: "
+        "pip install 'spec-compat[ray]' (or: pip install ray)"
+    ]
+    assert not (tmp_path / "out").exists()
