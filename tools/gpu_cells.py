@@ -191,7 +191,7 @@ def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> No
     import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    from spec_compat.adapters.executor import cuda_driver_initialized
+    cuda_driver_initialized = spec_compat_cuda_check()
 
     # For --mp-method fork: whether CUDA was already initialised in this process before the
     # workers start (speculators 0.4.x's import calls torch.cuda.is_available()), and which start
@@ -233,6 +233,20 @@ def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> No
         gc.collect()
     timings["child_total_s"] = time.perf_counter() - started
     torch.save(record, out_path)
+
+
+def spec_compat_cuda_check() -> Callable[[], bool]:
+    """spec_compat's own check of whether CUDA's driver was initialised in this process (its module
+    moved when the executor adapter was split; either place)."""
+    import importlib
+
+    for module in ("spec_compat.adapters.executor_fork", "spec_compat.adapters.executor"):
+        try:
+            check: Callable[[], bool] = importlib.import_module(module).cuda_driver_initialized
+            return check
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("spec_compat has no cuda_driver_initialized (adapters.executor_fork or adapters.executor)")
 
 
 def worker_start_methods(executor: Any) -> list[str]:
@@ -389,6 +403,7 @@ def cell_outlier_report(session: Session, cell: Cell, record: dict[str, Any]) ->
         session.references[cell.family],
         Limits(max_rel, min_cos),
         session.reference_devices.get(cell.family, "cpu"),
+        cap=session.args.outlier_cap,
     )
     report["seconds"] = round(time.perf_counter() - began, 2)
     return report
@@ -530,6 +545,7 @@ def cell_env(session: Session, cell: Cell) -> dict[str, str]:
         for key, value in CPU_ENV.items():
             env.setdefault(key, value)
     env.update(session.args.cell_env_values)
+    env.update(session.args.family_env_values.get(cell.family, {}))
     parts = [str(session.spec_dirs[cell.speculators]), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
     return env
@@ -623,6 +639,7 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         "gpu_memory_utilization": run.gpu_memory_utilization,
         "log_hints": log_hints(run.log_path),
         "kernels": log_hints(run.log_path, KERNEL_HINTS),
+        "family_env": session.args.family_env_values.get(run.cell.family, {}),
     }
     if timed_out:
         entry["status"] = "timeout"
@@ -931,6 +948,14 @@ def main() -> int:
         help="KEY=VALUE set in every cell, e.g. PYTORCH_NVML_BASED_CUDA_CHECK=1 (keeps speculators 0.4's "
         "import-time torch.cuda.is_available() from initialising CUDA, so --mp-method fork really forks)",
     )
+    parser.add_argument(
+        "--family-env",
+        action="append",
+        default=[],
+        metavar="FAMILY:KEY=VALUE",
+        help="set KEY=VALUE in that family's cells only, e.g. deepseek_v3_fp8:VLLM_DEEP_GEMM_WARMUP=skip "
+        "(DeepGEMM JIT-compiles its warm-up shapes with nvcc at engine start)",
+    )
     parser.add_argument("--budget-s", type=float, default=470.0, help="start no cell that would end later")
     parser.add_argument("--cell-timeout", type=float, default=150.0, help="seconds before a cell is killed")
     parser.add_argument("--grace-s", type=float, default=20.0, help="a cell may overrun the budget by this")
@@ -959,6 +984,7 @@ def main() -> int:
     parser.add_argument(
         "--families", default="", help=f"comma-separated families to keep (of {', '.join(ISSUE15_FAMILIES)})"
     )
+    parser.add_argument("--outlier-cap", type=int, default=128, help="outlier tokens analysed per cell (worst first)")
     parser.add_argument(
         "--no-outlier-report",
         dest="outlier_report",
@@ -967,6 +993,13 @@ def main() -> int:
     )
     args = parser.parse_args()
     args.cell_env_values = dict(item.partition("=")[::2] for item in args.cell_env)
+    args.family_env_values = {}
+    for item in args.family_env:
+        family, _, assignment = item.partition(":")
+        key, _, value = assignment.partition("=")
+        if not key:
+            raise SystemExit(f"--family-env {item!r}: expected FAMILY:KEY=VALUE")
+        args.family_env_values.setdefault(family, {})[key] = value
     return run(args)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-OUTLIER_TOKEN_CAP = 48  # the worst tokens analysed per cell (the count of all is reported)
+OUTLIER_TOKEN_CAP = 128  # the worst tokens analysed per cell (the count of all is reported)
 
 
 class _StopForward(Exception):
@@ -370,13 +370,14 @@ def outlier_report(
     want: list[list[torch.Tensor]],
     limits: Limits,
     device: str,
+    cap: int = OUTLIER_TOKEN_CAP,
 ) -> dict[str, Any]:
-    """The report for one cell: counts, and the evidence of the worst OUTLIER_TOKEN_CAP tokens."""
+    """The report for one cell: counts, and the evidence of the worst ``cap`` tokens."""
     outliers = find_outliers(got, want, layer_ids, limits)
     report: dict[str, Any] = {"outlier_tokens": len(outliers), "tokens": sum(len(ids) for ids in prompts)}
     if not outliers:
         return report
-    chosen = outliers[:OUTLIER_TOKEN_CAP]
+    chosen = outliers[:cap]
     model = load_model(model_dir).to(device)
     analysis = Analysis(model, layers_of(model), device, limits)
     flips_by_prompt: dict[int, dict[int, set[int]]] = {}
