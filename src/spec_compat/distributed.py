@@ -32,12 +32,14 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +54,7 @@ from .extract import (
     Manifest,
     Sample,
     WriteFailed,
-    _install_signal_handlers,
+    _kill_children,
     _write_json_atomic,
     checked_samples,
     disable_zip_crc32,
@@ -506,10 +508,11 @@ class Job:
             waiting = list(self.refs) + list(self.starting)
             ready, _ = self.ray.wait(waiting, num_returns=1, timeout=POLL_S)
             for ref in ready:
-                if ref in self.starting:
-                    self.on_started(ref, self.starting.pop(ref))
-                elif ref in self.refs:
-                    self.on_result(ref, self.refs[ref])
+                with SIGNALS.deferred():  # a batch's renames, manifest and sample_lengths.json: all or nothing
+                    if ref in self.starting:
+                        self.on_started(ref, self.starting.pop(ref))
+                    elif ref in self.refs:
+                        self.on_result(ref, self.refs[ref])
 
     def shutdown(self, wait_s: float) -> None:
         """Each ready replica shuts its engine down (its vLLM workers exit), then every replica
@@ -548,6 +551,56 @@ class Job:
                 }
             )
         return rows
+
+
+class Signals:
+    """First SIGINT / SIGTERM: ``Interrupted`` where the main thread is, or at the end of a
+    ``deferred()`` block (recording a batch: no half-renamed batch, no stray manifest temporary);
+    second: kill every child process (the local Ray, replicas, vLLM workers) and exit at once."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(signum, self._first)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous.clear()
+        self.pending, self.depth = None, 0
+
+    def _first(self, signum: int, frame: Any) -> None:
+        for each in self.previous:
+            signal.signal(each, self._force)
+        if self.depth:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    def _force(self, signum: int, frame: Any) -> None:
+        sys.stderr.write(f"\nspec-compat extract: second {signal.Signals(signum).name}: exiting now\n")
+        _kill_children()
+        os._exit(128 + signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if not self.depth and self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise Interrupted(signum)
+
+
+SIGNALS = Signals()
 
 
 class ReplicasLost(WriteFailed):
@@ -597,7 +650,7 @@ def run_distributed(
     if not todo:
         return 1 if bad else 0
 
-    restore_signals = _install_signal_handlers()
+    SIGNALS.install()
     job: Job | None = None
     interrupted: Interrupted | None = None
     try:
@@ -617,7 +670,7 @@ def run_distributed(
                 ray.shutdown()
             shutil.rmtree(config.output / TMP_DIR, ignore_errors=True)
         finally:
-            restore_signals()
+            SIGNALS.restore()
     assert job is not None
     extract_s = (job.finished or time.perf_counter()) - job.started if job.started is not None else 0.0
     rows = job.summary()
