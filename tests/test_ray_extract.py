@@ -44,7 +44,7 @@ def _command(data: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env(single_process: bool = False) -> dict[str, str]:
+def _env(one_core: bool = False) -> dict[str, str]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(require_speculators("0.4.0.1")), os.environ.get("PYTHONPATH")])),
@@ -52,13 +52,13 @@ def _env(single_process: bool = False) -> dict[str, str]:
         RAY_USAGE_STATS_ENABLED="0",
     )
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # replicas: one core each (the driver binds them)
-    if single_process:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the same one thread a replica has
+    if one_core:  # the one thread each of 2 replicas gets here: same threads, same sums, same bytes
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     return env
 
 
-def _run(cmd: list[str], single_process: bool = False) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, env=_env(single_process), capture_output=True, text=True, timeout=600)
+def _run(cmd: list[str], one_core: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=_env(one_core), capture_output=True, text=True, timeout=600)
 
 
 def _listed(out: Path) -> dict[str, dict[str, object]]:
@@ -97,7 +97,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("ray_extract")
     data = _dataset(tmp / "data.jsonl")
     out = tmp / "single"
-    proc = _run(_command(data, out), single_process=True)
+    proc = _run(_command(data, out), one_core=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return data, out
 
@@ -205,7 +205,7 @@ def test_interrupted_job_stops_cleanly_and_a_rerun_finishes_the_rest(
     assert 8 <= len(kept) < SAMPLES
     mtimes = {k: (out / str(v["file"])).stat().st_mtime_ns for k, v in kept.items()}
     print(f"SIGINT: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")
-    rerun = _run(_command(data, out, "--replicas", "1"))
+    rerun = _run(_command(data, out, "--replicas", "1"), one_core=True)  # a binding set by the user is kept
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert f"{len(kept)} done, {SAMPLES - len(kept)} to do" in rerun.stderr
     _exactly_once(out, single)
