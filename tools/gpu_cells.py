@@ -404,6 +404,7 @@ def cell_outlier_report(session: Session, cell: Cell, record: dict[str, Any]) ->
         Limits(max_rel, min_cos),
         session.reference_devices.get(cell.family, "cpu"),
         cap=session.args.outlier_cap,
+        max_seconds=session.args.outlier_seconds,
     )
     report["seconds"] = round(time.perf_counter() - began, 2)
     return report
@@ -703,7 +704,7 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
     if "outlier_tokens" in outliers:
         summary += (
             f" outliers {outliers['outlier_tokens']}/{outliers['tokens']}: "
-            f"{outliers.get('explained_by_expert_flip', 0)} expert flips, {outliers.get('unexplained', 0)} unexplained"
+            f"{outliers.get('explained_by_expert_flip', 0)} expert flips, {outliers.get('kinds')}"
         )
     if entry.get("worker_start_method"):
         summary += f" workers {'/'.join(entry['worker_start_method'])}"
@@ -779,7 +780,7 @@ def select_cells(args: argparse.Namespace, gpus: int) -> tuple[list[Cell], list[
     if args.cpu_smoke:
         if args.cpu_smoke not in ISSUE15_FAMILIES or args.cpu_smoke in QUANTIZED_FAMILIES:
             raise SystemExit(f"--cpu-smoke {args.cpu_smoke}: not a family with CPU kernels")
-        return [Cell("0.4.0.1", args.cpu_smoke, 1, args.smoke_dtype)], []
+        return [Cell(args.smoke_speculators, args.cpu_smoke, 1, args.smoke_dtype)], []
     cells = issue15_cells() if args.plan == "issue15" else all_cells()
     if args.families:
         wanted = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -971,9 +972,12 @@ def main() -> int:
         const="dense",
         default=None,
         metavar="FAMILY",
-        help="one cell (0.4.0.1, FAMILY (default dense), TP=1, --smoke-dtype) on CPU",
+        help="one cell (--smoke-speculators, FAMILY (default dense), TP=1, --smoke-dtype) on CPU",
     )
     parser.add_argument("--smoke-dtype", choices=DTYPES, default="float32", help="the --cpu-smoke cell's dtype")
+    parser.add_argument(
+        "--smoke-speculators", choices=SPECULATORS, default="0.4.0.1", help="the --cpu-smoke cell's speculators"
+    )
     parser.add_argument(
         "--plan",
         choices=["default", "issue15"],
@@ -985,6 +989,12 @@ def main() -> int:
         "--families", default="", help=f"comma-separated families to keep (of {', '.join(ISSUE15_FAMILIES)})"
     )
     parser.add_argument("--outlier-cap", type=int, default=128, help="outlier tokens analysed per cell (worst first)")
+    parser.add_argument(
+        "--outlier-seconds",
+        type=float,
+        default=60.0,
+        help="start no further prompt of a cell's outlier report after this (it runs in the scheduler)",
+    )
     parser.add_argument(
         "--no-outlier-report",
         dest="outlier_report",

@@ -1,7 +1,7 @@
 """Per-token outlier report for tools/gpu_cells.py: is each token where vLLM and HF differ beyond
 the strict per-token limit an expert flip, or something else?
 
-For each outlier token (prompt p, token t, first over the limit at layer L) and each layer l <= L,
+For each outlier token (prompt p, token t, last over the limit at layer L) and each layer l <= L,
 HF's own decoder layer l is run twice, with everything after it skipped:
 
 * on HF's own residual stream: the experts HF selects (``hf_experts``) and its router margin;
@@ -13,11 +13,15 @@ A replay within the limit means HF and vLLM compute the same layer l from the sa
 the replay is over the limit at a MoE layer, every expert set one swap away from HF's choice is
 forced into HF's router output (a forward hook; the weights recomputed by the router's own rule,
 checked against its unforced weights) and the set that reproduces vLLM's output best is reported
-(``best_forced_experts``, ``best_forced_rel_l2``). A token is ``explained`` as an expert flip when
-every layer up to L either replays within the limit or is reproduced within the limit by a
-different expert set, and at least one layer's expert set differs; the router margin at the
-first such layer (lowest selected score minus highest unselected one, in the router's selection
-scores) says how near the tie was. Anything else is listed as unexplained: a real difference.
+(``best_forced_experts``, ``best_forced_rel_l2``). Each token gets a ``kind``:
+``expert_flip`` (every layer up to its last over-limit one replays within the limit or is
+reproduced within the limit by a different expert set, and its own set differs at one of them;
+the router margin there, lowest selected score minus highest unselected one in the router's
+selection scores, says how near the tie was), ``flip_through_attention`` (no flip of its own, an
+earlier token of the prompt flips), ``accumulated_rounding`` (every layer replays within the limit
+and nothing flips: the sum of in-limit per-layer differences), ``layer_mismatch`` (a layer differs
+on vLLM's own input and no expert set reproduces it: a real difference). Only the first two count
+as ``explained``.
 
 Needs transformers 5's MoE router interface (``mlp.gate`` returning (logits, weights, indices)
 beside ``mlp.experts``); another interface is reported as such, never guessed.
@@ -25,7 +29,10 @@ beside ``mlp.experts``); another interface is reported as such, never guessed.
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +42,7 @@ from typing import Any
 import torch
 
 OUTLIER_TOKEN_CAP = 128  # the worst tokens analysed per cell (the count of all is reported)
+MAX_CANDIDATE_SETS = 70  # try every expert set up to C(8, 4); one HF forward per set and layer
 
 
 class _StopForward(Exception):
@@ -129,6 +137,15 @@ def one_swap_sets(experts: list[int], num_experts: int) -> list[list[int]]:
     return [sorted([*experts[:i], *experts[i + 1 :], u]) for i in range(len(experts)) for u in others]
 
 
+def candidate_sets(experts: list[int], num_experts: int) -> list[list[int]]:
+    """The other expert sets to try: all of them while there are at most MAX_CANDIDATE_SETS (a
+    group-limited router's group flip changes every member), else the one-swap sets."""
+    if math.comb(num_experts, len(experts)) <= MAX_CANDIDATE_SETS:
+        every = [sorted(c) for c in itertools.combinations(range(num_experts), len(experts))]
+        return [c for c in every if c != sorted(experts)]
+    return one_swap_sets(experts, num_experts)
+
+
 def run_layer(
     analysis: Analysis,
     ids: list[int],
@@ -210,12 +227,13 @@ def find_outliers(
         cos = torch.stack([cosine(got_layers[k], want_layers[k]) for k in order])
         over = limits.over(rel, cos)
         for t in torch.nonzero(over.any(dim=0)).flatten().tolist():
-            first = int(torch.nonzero(over[:, t]).flatten()[0])
+            over_layers = torch.nonzero(over[:, t]).flatten().tolist()
             rows.append(
                 {
                     "prompt": p,
                     "token": t,
-                    "first_over_limit_layer": layer_ids[order[first]],
+                    "first_over_limit_layer": layer_ids[order[over_layers[0]]],
+                    "last_over_limit_layer": layer_ids[order[over_layers[-1]]],
                     "rel_l2_max": float(rel[:, t].max()),
                     "cosine_min": float(cos[:, t].min()),
                 }
@@ -230,17 +248,18 @@ def analyse_prompt(
     tokens: list[dict[str, Any]],
 ) -> dict[int, list[int]]:
     """Fill each token row of one prompt with its per-layer routing evidence (in place). Returns,
-    per MoE layer, every token of the prompt (outlier or not) whose expert set on vLLM's input
-    differs from HF's own: a flip there reaches later tokens through attention."""
+    per MoE layer, every token of the prompt (analysed or not) that flips there: its expert set on
+    vLLM's input differs from HF's own, or its replay is over the limit and another expert set
+    reproduces vLLM's output. A flip reaches later tokens through attention."""
     limit = analysis.limits
-    last = max(r["first_over_limit_layer"] for r in tokens)
-    stream_flips: dict[int, list[int]] = {}
+    last = max(r["last_over_limit_layer"] for r in tokens)
+    flips: dict[int, list[int]] = {}
     for row in tokens:
         row["layers"] = []
     for layer in range(last + 1):
         if (layer > 0 and layer - 1 not in vllm_out) or layer not in vllm_out:
             for row in tokens:
-                if row["first_over_limit_layer"] >= layer:
+                if row["last_over_limit_layer"] >= layer:
                     row["layers"].append({"layer": layer, "note": "vLLM's input or output of this layer not captured"})
             continue
         router, _ = moe_parts(analysis.layers[layer])
@@ -249,18 +268,16 @@ def analyse_prompt(
         on_vllm = run_layer(analysis, ids, layer, stream_in)
         replay = rel_l2(on_vllm.output, vllm_out[layer])
         replay_cos = cosine(on_vllm.output, vllm_out[layer])
-        active = [r for r in tokens if r["first_over_limit_layer"] >= layer]
-        need_forcing = [
-            r for r in active if bool(limit.over(replay[r["token"]], replay_cos[r["token"]])) and router is not None
-        ]
+        active = [r for r in tokens if r["last_over_limit_layer"] >= layer]
+        # Every token of the prompt whose replay is over the limit, not only the analysed ones: the
+        # forced sets of all of them go into the same forward (routing is per token).
+        need_forcing = torch.nonzero(limit.over(replay, replay_cos)).flatten().tolist() if router is not None else []
         best: dict[int, tuple[float, list[int]]] = {}
         if need_forcing and on_vllm.indices is not None and on_vllm.logits is not None:
             num_experts = on_vllm.logits.shape[-1]
-            candidates = {
-                r["token"]: one_swap_sets(sorted(on_vllm.indices[r["token"]].tolist()), num_experts)
-                for r in need_forcing
-            }
-            for c in range(max(len(v) for v in candidates.values())):
+            candidates = {t: candidate_sets(sorted(on_vllm.indices[t].tolist()), num_experts) for t in need_forcing}
+            candidates = {t: sets for t, sets in candidates.items() if sets}
+            for c in range(max((len(v) for v in candidates.values()), default=0)):
                 forced = {t: sets[c] for t, sets in candidates.items() if c < len(sets)}
                 if not forced:
                     continue
@@ -271,7 +288,9 @@ def analyse_prompt(
                         best[t] = (err, experts)
         if own.indices is not None and on_vllm.indices is not None:
             differs = (own.indices.sort(dim=-1).values != on_vllm.indices.sort(dim=-1).values).any(dim=-1)
-            stream_flips[layer] = torch.nonzero(differs).flatten().tolist()
+            flipped = set(torch.nonzero(differs).flatten().tolist())
+            flipped |= {t for t, (err, _) in best.items() if err <= limit.max_rel_l2}
+            flips[layer] = sorted(flipped)
         if router is not None and own.indices is not None and own.logits is not None and own.weights is not None:
             rule = max(
                 float((expert_weights(router, own.logits[t], own.indices[t].long()) - own.weights[t]).abs().max())
@@ -297,17 +316,26 @@ def analyse_prompt(
             if t in best:
                 entry["best_forced_rel_l2"], entry["best_forced_experts"] = best[t]
             row["layers"].append(entry)
-    return stream_flips
+    return flips
+
+
+# What made a token differ (``kind``); the first two are expert flips (``explained``).
+EXPERT_FLIP = "expert_flip"  # its own expert set differs at some layer
+FLIP_THROUGH_ATTENTION = "flip_through_attention"  # an earlier token of its prompt flipped
+ACCUMULATED = "accumulated_rounding"  # every layer replays within the limit, no flip: the sum of in-limit errors
+LAYER_MISMATCH = "layer_mismatch"  # a layer differs on vLLM's own input and no expert set reproduces it
+NOT_OBSERVABLE = "not_observable"  # a layer's vLLM input or output was not captured
 
 
 def verdict_for_token(row: dict[str, Any], limits: Limits) -> None:
-    """``explained`` / ``first_flip_layer`` / ``why`` from the token's own per-layer evidence (in
-    place); a token with no flip of its own is settled by ``inherited_flip`` afterwards."""
+    """``kind`` / ``explained`` / ``first_flip_layer`` / ``why`` from the token's own evidence at
+    every layer up to its last over-limit one (in place); a token with no flip and no mismatch of
+    its own is settled by ``inherited_flip`` afterwards."""
     flip_layer = None
     flip_margin = None
     for entry in row["layers"]:
         if "replay_rel_l2" not in entry:
-            row.update(explained=False, why=f"layer {entry['layer']}: {entry.get('note')}")
+            row.update(kind=NOT_OBSERVABLE, explained=False, why=f"layer {entry['layer']}: {entry.get('note')}")
             return
         replay_ok = not bool(limits.over(torch.tensor(entry["replay_rel_l2"]), torch.tensor(entry["replay_cosine"])))
         stream_flip = entry.get("hf_experts") != entry.get("experts_on_vllm_input")
@@ -322,8 +350,8 @@ def verdict_for_token(row: dict[str, Any], limits: Limits) -> None:
                 f"(rel-L2 {entry['replay_rel_l2']:.2e})"
             )
             if "best_forced_rel_l2" in entry:
-                why += f" and no one-swap expert set reproduces it (best {entry['best_forced_rel_l2']:.2e})"
-            row.update(explained=False, why=why)
+                why += f" and no other expert set reproduces it (best {entry['best_forced_rel_l2']:.2e})"
+            row.update(kind=LAYER_MISMATCH, explained=False, why=why)
             return
         if forced_ok:
             entry["vllm_experts"] = entry["best_forced_experts"]  # what reproduces vLLM's output
@@ -331,9 +359,11 @@ def verdict_for_token(row: dict[str, Any], limits: Limits) -> None:
             flip_layer = entry["layer"]
             flip_margin = entry.get("margin_hf") if stream_flip else entry.get("margin_on_vllm_input")
     if flip_layer is None:
-        row.update(explained=None, why="every layer replays within the limit; no expert set of its own differs")
+        why = "every layer replays within the limit; no expert set of its own differs"
+        row.update(kind=None, explained=None, why=why)
         return
     row.update(
+        kind=EXPERT_FLIP,
         explained=True,
         first_flip_layer=flip_layer,
         flip_margin=flip_margin,
@@ -343,13 +373,15 @@ def verdict_for_token(row: dict[str, Any], limits: Limits) -> None:
 
 def inherited_flip(row: dict[str, Any], flips: dict[int, set[int]]) -> None:
     """A token that replays within the limit everywhere without a flip of its own is explained when
-    an earlier (or the same) token of its prompt flipped at a layer up to its first over-limit one:
-    attention carries that difference into it. Otherwise it is unexplained."""
-    last = row["first_over_limit_layer"]
+    an earlier (or the same) token of its prompt flipped at a layer up to its last over-limit one:
+    attention carries that difference into it. Otherwise its difference is the accumulation of
+    per-layer differences each within the limit (no layer of vLLM disagrees with HF's)."""
+    last = row["last_over_limit_layer"]
     for layer in sorted(flips):
         sources = sorted(t for t in flips[layer] if t <= row["token"])
         if layer <= last and sources:
             row.update(
+                kind=FLIP_THROUGH_ATTENTION,
                 explained=True,
                 first_flip_layer=layer,
                 flip_margin=None,
@@ -357,7 +389,7 @@ def inherited_flip(row: dict[str, Any], flips: dict[int, set[int]]) -> None:
                 why=f"no flip of its own; token(s) {sources[:8]} of the prompt flip at layer {layer}",
             )
             return
-    row.update(explained=False, why=row["why"] + ", and no earlier token of the prompt flips either")
+    row.update(kind=ACCUMULATED, explained=False, why=row["why"] + ", and no earlier token of the prompt flips")
 
 
 def outlier_report(
@@ -371,8 +403,10 @@ def outlier_report(
     limits: Limits,
     device: str,
     cap: int = OUTLIER_TOKEN_CAP,
+    max_seconds: float = float("inf"),
 ) -> dict[str, Any]:
-    """The report for one cell: counts, and the evidence of the worst ``cap`` tokens."""
+    """The report for one cell: counts, and the evidence of the worst ``cap`` tokens (their prompts
+    in order of their worst token, none started after ``max_seconds``)."""
     outliers = find_outliers(got, want, layer_ids, limits)
     report: dict[str, Any] = {"outlier_tokens": len(outliers), "tokens": sum(len(ids) for ids in prompts)}
     if not outliers:
@@ -381,15 +415,20 @@ def outlier_report(
     model = load_model(model_dir).to(device)
     analysis = Analysis(model, layers_of(model), device, limits)
     flips_by_prompt: dict[int, dict[int, set[int]]] = {}
+    began = time.perf_counter()
     try:
-        for p in sorted({r["prompt"] for r in chosen}):
+        for p in dict.fromkeys(r["prompt"] for r in chosen):  # the prompt of the worst token first
+            if time.perf_counter() - began > max_seconds:
+                report["stopped"] = f"time limit ({max_seconds:.0f} s): later prompts not analysed"
+                break
             vllm_out = {layer_ids[k]: got[p][k] for k in range(len(layer_ids))}
-            stream_flips = analyse_prompt(analysis, prompts[p], vllm_out, [r for r in chosen if r["prompt"] == p])
-            flips_by_prompt[p] = {layer: set(tokens) for layer, tokens in stream_flips.items()}
+            flips = analyse_prompt(analysis, prompts[p], vllm_out, [r for r in chosen if r["prompt"] == p])
+            flips_by_prompt[p] = {layer: set(tokens) for layer, tokens in flips.items()}
     finally:
         del model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    chosen = [r for r in chosen if r["prompt"] in flips_by_prompt]
     for row in chosen:
         verdict_for_token(row, limits)
         if row["explained"] and row.get("first_flip_layer") is not None:
@@ -399,12 +438,11 @@ def outlier_report(
             inherited_flip(row, flips_by_prompt[row["prompt"]])
     explained = [r for r in chosen if r["explained"]]
     margins = [abs(r["flip_margin"]) for r in explained if r.get("flip_margin") is not None]
-    inherited = [r for r in explained if "inherited_from_tokens" in r]
     report.update(
         analysed=len(chosen),
         explained_by_expert_flip=len(explained),
-        explained_through_attention=len(inherited),
         unexplained=len(chosen) - len(explained),
+        kinds=dict(Counter(str(r["kind"]) for r in chosen)),
         first_flip_layers=dict(Counter(str(r["first_flip_layer"]) for r in explained)),
         flip_margin_median=statistics.median(margins) if margins else None,
         flip_margin_max=max(margins) if margins else None,

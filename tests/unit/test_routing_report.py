@@ -68,14 +68,16 @@ def test_planted_flip_is_found_with_its_expert_set(model_dir: Path) -> None:
     assert report["outlier_tokens"] >= 1 and report["unexplained"] == 0, report
     assert report["weight_rule_error"] < 1e-5  # the router's weight rule is reproduced
     row = next(r for r in report["per_token"] if r["token"] == FLIP_TOKEN)
-    assert row["explained"] and row["first_flip_layer"] == FLIP_LAYER and row["first_over_limit_layer"] == FLIP_LAYER
+    assert row["kind"] == "expert_flip" and row["explained"] and row["first_flip_layer"] == FLIP_LAYER
+    assert row["first_over_limit_layer"] == FLIP_LAYER
     entry = row["layers"][FLIP_LAYER]
     assert entry["hf_experts"] == hf_set and entry["vllm_experts"] == planted
     assert entry["best_forced_rel_l2"] < 1e-5
     for other in report["per_token"]:
         assert other["token"] >= FLIP_TOKEN  # attention is causal: nothing before the flip differs
-        if other["token"] != FLIP_TOKEN and "inherited_from_tokens" in other:
+        if other["kind"] == "flip_through_attention":
             assert FLIP_TOKEN in other["inherited_from_tokens"]
+    assert set(report["kinds"]) <= {"expert_flip", "flip_through_attention"}
 
 
 def test_planted_non_routing_difference_is_unexplained(model_dir: Path) -> None:
@@ -87,6 +89,7 @@ def test_planted_non_routing_difference_is_unexplained(model_dir: Path) -> None:
     assert report["outlier_tokens"] == 1 and report["unexplained"] == 1
     row = report["per_token"][0]
     assert row["token"] == 3 and row["first_over_limit_layer"] == 2 and row["explained"] is False
+    assert row["kind"] == "layer_mismatch" and report["kinds"] == {"layer_mismatch": 1}
     assert "layer 2" in row["why"]
 
 
