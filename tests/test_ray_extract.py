@@ -3,6 +3,7 @@ run (same bytes), HF's hidden states, replicas whose vLLM worker is killed, an i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -140,8 +141,9 @@ def _watch(proc: subprocess.Popen[str], log: Path, until: float) -> str:
 def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Each replica's vLLM worker is SIGKILLed as soon as it is ready (so neither first replica can
-    finish the job): their batches go back to the queue, new replicas take over."""
+    """Each replica's vLLM worker is SIGKILLed as soon as the replica is ready (the first of each slot:
+    on a loaded machine the other may still be loading when the work is done): the batches it held go
+    back to the queue, a new replica takes over."""
     data, single = reference
     out, log = tmp_path / "faults", tmp_path / "faults.log"
     with log.open("w") as handle:
@@ -149,20 +151,26 @@ def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
                                 text=True, start_new_session=True)  # fmt: skip
     killed: dict[str, int] = {}
     try:
-        until = time.monotonic() + 400
-        while len(killed) < 2:
-            for replica, pids in READY.findall(_watch(proc, log, until)):
+        until = time.monotonic() + 500
+        while proc.poll() is None and time.monotonic() < until:
+            for replica, pids in READY.findall(log.read_text()):
                 if replica not in killed:
                     killed[replica] = int(pids.split()[0])
-                    os.kill(killed[replica], signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):  # the job ended meanwhile
+                        os.kill(killed[replica], signal.SIGKILL)
             time.sleep(0.05)
-        proc.wait(timeout=400)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     stderr = log.read_text()
     assert proc.returncode == 0, stderr[-4000:]
+    assert killed, stderr[-4000:]
+    # the first replica ready had batches for certain; a later one may have found the queue empty
+    first = next(iter(killed))
     for replica, pid in killed.items():
+        if replica != first and f"replica {replica} lost" not in stderr:
+            continue
         assert re.search(
             rf"replica {replica} lost \(WorkerError: WorkerProcessDied: worker process rank 0 \(pid {pid}\) "
             r"killed by signal 9 \(SIGKILL\).*starting a new replica",
@@ -170,7 +178,7 @@ def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
         ), stderr[-4000:]
     _exactly_once(out, single)
     stats = json.loads((out / "extract_stats.json").read_text())
-    assert [r["restarts"] for r in stats["replicas"]] == [1, 1]
+    assert stats["replicas"][int(first)]["restarts"] == 1
     assert sum(r["samples"] for r in stats["replicas"]) == SAMPLES
     assert _group_gone(proc.pid), "a process of the job outlived it"
     print(f"killed workers {killed}; per replica: {[(r['batches'], r['engine_start_s']) for r in stats['replicas']]}")

@@ -614,7 +614,7 @@ def _say(text: str) -> None:
 
 def _init_ray(ray: Any, address: str | None, replicas: int, tp: int) -> None:
     if address is not None:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True)
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
