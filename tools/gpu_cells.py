@@ -260,9 +260,12 @@ def worker_start_methods(executor: Any) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def hf_layer_outputs_on(model_dir: Path, prompts: list[list[int]], layer_ids: list[int], device: str) -> list[Any]:
-    """tests/tiny_models.hf_layer_outputs on ``device``: float32, eager attention, TF32 off.
-    Returns result[prompt][k] (CPU float32, [num_tokens, hidden]) for layer layer_ids[k]."""
+def hf_layer_outputs_on(
+    model_dir: Path, prompts: list[list[int]], layer_ids: list[int], device: str, dtype: str = "float32"
+) -> list[Any]:
+    """tests/tiny_models.hf_layer_outputs on ``device``: eager attention, TF32 off, in ``dtype``
+    (float32 for the reference). Returns result[prompt][k] (CPU float32, [num_tokens, hidden]) for
+    layer layer_ids[k]."""
     import torch
 
     from tiny_models import decoder_layers, load_hf_model
@@ -270,7 +273,7 @@ def hf_layer_outputs_on(model_dir: Path, prompts: list[list[int]], layer_ids: li
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model = load_hf_model(model_dir).to(device)
+    model = load_hf_model(model_dir).to(device=device, dtype=getattr(torch, dtype))
     layers = decoder_layers(model)  # a wrapper's text layers too
     captured: dict[int, Any] = {}
 
@@ -665,6 +668,13 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         try:
             record = torch.load(run.out_path, weights_only=False)
             verdict = judge(run.cell, record, session.references[run.cell.family], session.prompts)
+            floor = session.info.get("references", {}).get(run.cell.family, {}).get("hf_bfloat16")
+            if run.cell.dtype == "bfloat16" and floor and "token_metric" in floor:
+                verdict["hf_bfloat16_vs_float32"] = {
+                    "rel_l2_max": floor["token_metric"]["rel_l2_max"],
+                    "cosine_min": floor["token_metric"]["cosine_min"],
+                    "token_layers_over_strict_limit": floor["token_layers_over_strict_limit"],
+                }
             entry.update(
                 status="pass" if verdict["pass"] else "mismatch",
                 verdict=verdict,
@@ -746,12 +756,37 @@ def prepare(session: Session, cells: list[Cell]) -> None:
             except Exception as exc:  # noqa: BLE001 - fall back to the CPU reference, say why
                 record["note"] = f"{ref_device} reference failed ({type(exc).__name__}: {exc}): CPU used"
         session.references[family] = reference
+        if any(c.family == family and c.dtype == "bfloat16" for c in cells):
+            record["hf_bfloat16"] = hf_bfloat16_floor(session, family, ref_dir, reference, record["device"])
         session.reference_dirs[family] = ref_dir
         session.reference_devices[family] = record["device"]
         record["seconds"] = round(time.perf_counter() - began, 2)
         record["layer_mixup"] = mixup_metrics(reference)
         session.info.setdefault("references", {})[family] = record
         print(f"[gpu_cells] {session.elapsed():6.1f}s model + HF reference for {family}: {record}", flush=True)
+
+
+def hf_bfloat16_floor(
+    session: Session, family: str, ref_dir: Path, reference: list[Any], device: str
+) -> dict[str, Any]:
+    """HF itself in bfloat16 against the float32 reference, by the bfloat16 cells' per-token metric:
+    how far bfloat16 arithmetic alone moves this model's tokens (no vLLM kernel involved), the scale
+    against which a bfloat16 cell's outliers are read. Recorded beside, never instead of, the verdict."""
+    import torch
+
+    try:
+        got = hf_layer_outputs_on(ref_dir, session.prompts, LAYER_IDS, device, dtype="bfloat16")
+    except Exception as exc:  # noqa: BLE001 - context only; say why it is missing
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    metric = token_metric(got, reference)
+    over = 0
+    for got_layers, want_layers in zip(got, reference, strict=True):
+        for g, w in zip(got_layers, want_layers, strict=True):
+            g64, w64 = g.double(), w.double()
+            rel = (g64 - w64).norm(dim=-1) / w64.norm(dim=-1).clamp_min(1e-30)
+            cos = torch.nn.functional.cosine_similarity(g64, w64, dim=-1)
+            over += int(((rel > BF16_MAX_REL_L2) | (cos < BF16_MIN_COSINE)).sum())
+    return {"device": device, "token_metric": metric, "token_layers_over_strict_limit": over}
 
 
 def reference_for(session: Session, family: str, model: Path) -> tuple[Path, list[Any], str | None]:
