@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 OUTLIER_TOKEN_CAP = 128  # the worst tokens analysed per cell (the count of all is reported)
+DETAIL_ROWS = 24  # the worst tokens keep their per-layer evidence in the record; the rest their verdict
 MAX_CANDIDATE_SETS = 70  # try every expert set up to C(8, 4); one HF forward per set and layer
 
 
@@ -436,6 +437,8 @@ def outlier_report(
     for row in chosen:
         if row["explained"] is None:
             inherited_flip(row, flips_by_prompt[row["prompt"]])
+    for row in chosen[DETAIL_ROWS:]:
+        row.pop("layers", None)  # keeps a cell record small; kind, why and margin stay
     explained = [r for r in chosen if r["explained"]]
     margins = [abs(r["flip_margin"]) for r in explained if r.get("flip_margin") is not None]
     report.update(
