@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .adapters import executor_entry
 from .detect import Environment, detect
 from .errors import EngineStopped, IncompatibleError, ResultContractError, SpecCompatError, WorkerError, WorkerTimeout
 from .options import Context, Options
@@ -258,6 +259,10 @@ def apply_in_worker(options_json: str) -> Report:
         _worker_process_applied = True
         _report = report
         return report
+
+
+# spec_compat's worker entry point (adapters/executor_entry.py) runs this in every worker it starts.
+executor_entry.set_worker_setup(apply_in_worker)
 
 
 def apply_before_import() -> Report:

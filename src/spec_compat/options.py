@@ -26,6 +26,7 @@ DEFAULT_RPC_TIMEOUT_S = 1800.0
 # Set only while spec_compat's executor starts its workers, so that the worker-side adapters
 # run in those workers and nowhere else (other vLLM engines in the process are untouched).
 WORKER_ENV = "SPEC_COMPAT_WORKER_OPTIONS"
+PLUGIN_NAME = "spec_compat"  # the vllm.general_plugins entry point (plugin.py)
 
 VALID_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 VALID_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

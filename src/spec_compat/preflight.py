@@ -4,31 +4,16 @@ keyword in a future speculators release is checked too."""
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from . import source_parsing
+from .adapters.speculators_code import INSTANCE_TYPES, call_sites
 from .calls import bind_problem, names_reaching_target
+from .options import PLUGIN_NAME
 
 PLUGIN_GROUP = "vllm.general_plugins"
-PLUGIN_NAME = "spec_compat"
-
-# Instance attributes of the generator and the class each one is built from.
-_INSTANCE_TYPES = {"executor": "MultiprocExecutor", "scheduler": "Scheduler"}
-
-
-@dataclass(frozen=True)
-class CallSite:
-    callee: str  # module-level name, or "<owner>.<method>" for self.executor / self.scheduler calls
-    keywords: frozenset[str]
-    n_positional: int
-    line: int
-    rpc_method: str | None = None  # first argument of collective_rpc, when a string
 
 
 @dataclass(frozen=True)
@@ -36,31 +21,6 @@ class Finding:
     ok: bool
     what: str
     detail: str
-
-
-@functools.lru_cache(maxsize=8)
-def call_sites(module: ModuleType) -> tuple[CallSite, ...]:
-    tree = source_parsing.parse(inspect.getsource(module))
-    sites: list[CallSite] = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        keywords = frozenset(k.arg for k in node.keywords if k.arg is not None)
-        func = node.func
-        if isinstance(func, ast.Name):
-            sites.append(CallSite(func.id, keywords, len(node.args), node.lineno))
-        elif (
-            isinstance(func, ast.Attribute)
-            and isinstance(func.value, ast.Attribute)
-            and isinstance(func.value.value, ast.Name)
-            and func.value.value.id == "self"
-            and func.value.attr in _INSTANCE_TYPES
-        ):
-            rpc = None
-            if func.attr == "collective_rpc" and node.args and isinstance(node.args[0], ast.Constant):
-                rpc = str(node.args[0].value)
-            sites.append(CallSite(f"{func.value.attr}.{func.attr}", keywords, len(node.args), node.lineno, rpc))
-    return tuple(sites)
 
 
 def _is_vllm_object(value: Any) -> bool:
@@ -90,11 +50,11 @@ def check_generator(generator: ModuleType, worker: ModuleType | None, worker_rpc
             label = f"{site.callee}({', '.join(sorted(site.keywords))})"
         else:
             owner, method = site.callee.split(".")
-            cls = getattr(generator, _INSTANCE_TYPES[owner], None)
+            cls = getattr(generator, INSTANCE_TYPES[owner], None)
             cls = getattr(cls, "__wrapped__", cls)
             label = f"{site.callee}({', '.join(sorted(site.keywords))})"
             if not isinstance(cls, type) or not hasattr(cls, method):
-                findings.append(Finding(False, label, f"{where}: {_INSTANCE_TYPES[owner]} has no method {method}"))
+                findings.append(Finding(False, label, f"{where}: {INSTANCE_TYPES[owner]} has no method {method}"))
                 continue
             target = _vllm_method(cls, method)
             problem = bind_problem(target, site.n_positional + 1, site.keywords)

@@ -18,7 +18,23 @@ from typing import Literal
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .adapters import driver_calls, executor, generate, imports, kv_cache, lifecycle, watchdog, worker, worker_process
+from .adapters import (
+    driver_calls,
+    executor,
+    executor_failures,
+    executor_malloc,
+    executor_protocol,
+    executor_replies,
+    executor_transfer,
+    executor_zmq,
+    generate,
+    imports,
+    kv_cache,
+    lifecycle,
+    watchdog,
+    worker,
+    worker_process,
+)
 from .adapters.probe import Probe
 from .options import Context
 from .patching import Patcher
@@ -293,8 +309,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="all releases (vLLM #23985)",
         detect="always",
         delete_when="vLLM reports failures from every rank",
-        probe=executor.probe_all_ranks_reply,
-        apply=executor.apply_all_ranks_reply,
+        probe=executor_failures.probe_all_ranks_reply,
+        apply=executor_failures.apply_all_ranks_reply,
     ),
     Adapter(
         id="executor-reply-shape",
@@ -305,8 +321,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="0.11.2 returns the bare rank-k result instead of [result]",
         detect="AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator",
         delete_when="speculators 0.3.0 is no longer supported",
-        probe=executor.probe_reply_shape,
-        apply=executor.apply_reply_shape,
+        probe=executor_protocol.probe_reply_shape,
+        apply=executor_protocol.apply_reply_shape,
         # every release: the probe also finds the reverse mismatch (0.4.x on vLLM <= 0.11.0, blocking)
     ),
     Adapter(
@@ -317,8 +333,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="0.11.2 split execute_model / sample_tokens",
         detect="hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it",
         delete_when="speculators 0.3.0 is no longer supported",
-        probe=executor.probe_sample_tokens,
-        apply=executor.apply_sample_tokens,
+        probe=executor_protocol.probe_sample_tokens,
+        apply=executor_protocol.apply_sample_tokens,
         speculators=SpecifierSet("<0.4"),
     ),
     Adapter(
@@ -329,8 +345,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)",
         detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
         delete_when="the layout is resolved inside initialize_from_config",
-        probe=executor.probe_kv_layout,
-        apply=executor.apply_kv_layout,
+        probe=executor_protocol.probe_kv_layout,
+        apply=executor_protocol.apply_kv_layout,
     ),
     Adapter(
         id="executor-model-runner-v1",
@@ -341,8 +357,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
         detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
         delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
-        probe=executor.probe_v1_model_runner,
-        apply=executor.apply_v1_model_runner,
+        probe=executor_protocol.probe_v1_model_runner,
+        apply=executor_protocol.apply_v1_model_runner,
     ),
     Adapter(
         id="executor-close-queues",
@@ -355,8 +371,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         "closes the sockets with linger=0 from a weakref finalizer (the probe decides, per the matrix)",
         detect="vllm.distributed.device_communicators.shm_broadcast never closes a socket with linger=0",
         delete_when="vLLM releases without the MessageQueue finalizer are no longer supported",
-        probe=executor.probe_close_queues,
-        apply=executor.apply_close_queues,
+        probe=executor_zmq.probe_close_queues,
+        apply=executor_zmq.apply_close_queues,
     ),
     Adapter(
         id="executor-shared-memory-replies",
@@ -368,8 +384,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="none: all releases send RPC replies by pickling them",
         detect="POSIX flock and mmap (Linux, macOS)",
         delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
-        probe=executor.probe_shared_memory_replies,
-        apply=executor.apply_shared_memory_replies,
+        probe=executor_transfer.probe_shared_memory_replies,
+        apply=executor_transfer.apply_shared_memory_replies,
     ),
     Adapter(
         id="executor-rpc-deadline",
@@ -396,8 +412,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="none: speculators 0.4.x's generate() pattern (clone per request of a dict reply)",
         detect="AST: generate() reads the unique reply by key at one place, inside a for loop",
         delete_when="speculators releases the reply entries itself (or stops cloning tensors it owns)",
-        probe=executor.probe_read_once_reply,
-        apply=executor.apply_read_once_reply,
+        probe=executor_replies.probe_read_once_reply,
+        apply=executor_replies.apply_read_once_reply,
     ),
     Adapter(
         id="worker-malloc-retain",
@@ -409,8 +425,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         vllm_change="none: speculators' worker-side capture copies on the CPU platform",
         detect="platform is cpu (captures in host memory) and the variables are not all set by the user",
         delete_when="speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc",
-        probe=executor.probe_worker_malloc,
-        apply=executor.apply_worker_malloc,
+        probe=executor_malloc.probe_worker_malloc,
+        apply=executor_malloc.apply_worker_malloc,
     ),
     Adapter(
         id="kv-config-signature",

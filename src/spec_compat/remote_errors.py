@@ -34,6 +34,11 @@ def encode(exc: BaseException, rank: int | None, method: str) -> EncodedWorkerEx
     return EncodedWorkerException(_BEGIN + json.dumps(record) + _END)
 
 
+def is_encoded(text: str) -> bool:
+    """Whether ``text`` carries an encoded worker exception (one that must not be encoded again)."""
+    return _BEGIN in text
+
+
 def decode(text: str) -> WorkerError | None:
     start = text.find(_BEGIN)
     end = text.find(_END, start + len(_BEGIN))

@@ -15,9 +15,9 @@ _MARK = "spec_compat_worker_handler"
 
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        from .adapters.worker import _tp_rank
+        from .adapters.worker import tp_rank
 
-        rank = _tp_rank()
+        rank = tp_rank()
         record.tp_rank = "?" if rank is None else str(rank)
         return True
 

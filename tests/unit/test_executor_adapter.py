@@ -96,7 +96,7 @@ def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_worker_malloc_env_scoped_and_user_values_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spec_compat.adapters.executor import WORKER_MALLOC_ENV
+    from spec_compat.adapters.executor_malloc import WORKER_MALLOC_ENV
 
     for key, _ in WORKER_MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
@@ -115,7 +115,7 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
     import zmq
 
-    from spec_compat.adapters.executor import close_message_queues, message_queues
+    from spec_compat.adapters.executor_zmq import close_message_queues, message_queues
 
     def queue() -> Any:
         context = zmq.Context()
@@ -143,10 +143,10 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
 
 def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    import spec_compat.adapters.executor as executor_module
+    import spec_compat.adapters.executor_zmq as executor_zmq
 
     calls: list[Any] = []
-    monkeypatch.setattr(executor_module, "close_message_queues", calls.append)
+    monkeypatch.setattr(executor_zmq, "close_message_queues", calls.append)
     queue = object()
 
     class Base:
@@ -181,19 +181,19 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
 def test_fork_falls_back_to_spawn_only_after_cuda_init(
     monkeypatch: pytest.MonkeyPatch, method: str | None, cuda_initialised: bool, expected: dict[str, str]
 ) -> None:
-    import spec_compat.adapters.executor as executor_module
+    import spec_compat.adapters.executor_fork as executor_fork
 
     if method is None:
         monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     else:
         monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", method)
-    monkeypatch.setattr(executor_module, "cuda_driver_initialized", lambda: cuda_initialised)
-    assert executor_module._start_method_env() == expected
+    monkeypatch.setattr(executor_fork, "cuda_driver_initialized", lambda: cuda_initialised)
+    assert executor_fork.start_method_env() == expected
 
 
 def test_cuda_driver_check_loads_nothing() -> None:
     """On a machine without a loaded libcuda the check answers False and does not load it."""
-    from spec_compat.adapters.executor import cuda_driver_initialized
+    from spec_compat.adapters.executor_fork import cuda_driver_initialized
 
     maps_file = Path("/proc/self/maps")
     maps = maps_file.read_text() if maps_file.exists() else ""
@@ -205,7 +205,7 @@ def test_cuda_driver_check_loads_nothing() -> None:
 
 
 def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None:
-    from spec_compat.adapters.executor import ReadOnceReply
+    from spec_compat.adapters.executor_replies import ReadOnceReply
 
     reply = ReadOnceReply({"req_0": [1], "req_1": [2]})
     assert "req_0" in reply and len(reply) == 2 and sorted(reply.keys()) == ["req_0", "req_1"]
@@ -218,7 +218,7 @@ def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None
 
 
 def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
-    from spec_compat.adapters.executor import ReadOnceReply
+    from spec_compat.adapters.executor_replies import ReadOnceReply
 
     class Base:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -295,7 +295,7 @@ def test_read_once_probe_reads_the_generator_source(tmp_path: Path, monkeypatch:
 def test_close_queues_probe_reads_whether_vllm_closes_sockets_itself() -> None:
     import ast
 
-    from spec_compat.adapters.executor import _closes_sockets_without_linger
+    from spec_compat.adapters.executor_zmq import closes_sockets_without_linger
 
-    assert _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.32 shape
-    assert not _closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))
+    assert closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.32 shape
+    assert not closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from spec_compat.adapters import imports, kv_cache
-from spec_compat.adapters.executor import _EXECUTORS
+from spec_compat.adapters.executor_switches import EXECUTORS
 from spec_compat.calls import CallAdapter, KeywordPlan
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
@@ -132,14 +132,14 @@ def test_kv_memory_asks_the_workers_when_the_device_reports_none() -> None:
             return [3 << 30, 2 << 30]
 
     executor = Executor()
-    _EXECUTORS[id(vllm_config)] = executor
+    EXECUTORS[id(vllm_config)] = executor
     try:
         module.get_kv_cache_config_from_groups(vllm_config=vllm_config, kv_cache_groups=[], available_memory=0)
         assert seen["available_memory"] == 2 << 30  # the smallest rank's
         module.get_kv_cache_config_from_groups(vllm_config=vllm_config, kv_cache_groups=[], available_memory=123)
         assert seen["available_memory"] == 123  # a real figure is kept
     finally:
-        _EXECUTORS.pop(id(vllm_config), None)
+        EXECUTORS.pop(id(vllm_config), None)
         patcher.revert()
 
 

@@ -19,10 +19,10 @@ from spec_compat.registry import ADAPTERS, BY_ID, SUPPORTED_SPECULATORS, Adapter
 from spec_compat.versions import parse_version
 
 ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
-# Where the adapter id a patch is recorded under stands: patcher.<method>(id, ...) and
-# <helper>(ctx, patcher, id, ...).
+# Where the adapter id a patch is recorded under stands: patcher.<method>(id, ...),
+# <helper>(ctx, patcher, id, ...) and switch_on(id, ...).
 PATCHER_METHODS = {"replace", "add", "add_item", "on_revert"}
-ID_HELPERS = {"set_flag", "wrap_method", "install"}
+ID_POSITIONS = {"set_flag": 2, "wrap_method": 2, "install_call_adapter": 2, "switch_on": 0}
 
 
 def _recorded_ids(path: Path) -> list[tuple[int, str]]:
@@ -42,8 +42,8 @@ def _recorded_ids(path: Path) -> list[tuple[int, str]]:
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
         if isinstance(func, ast.Attribute) and ast.unparse(func.value) == "patcher" and name in PATCHER_METHODS:
             position = 0
-        elif name.lstrip("_") in ID_HELPERS:
-            position = 2
+        elif name in ID_POSITIONS:
+            position = ID_POSITIONS[name]
         else:
             continue
         if len(node.args) <= position:

@@ -12,22 +12,20 @@ from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
 from ..options import Context
 from ..patching import Patcher
 from .probe import Probe
+from .speculators_code import call_sites, generator_module
 
 
-def _generator(ctx: Context) -> Any:
-    assert ctx.generator is not None, "driver adapters need the speculators generator module"
-    return ctx.generator
-
-
-def _install(ctx: Context, patcher: Patcher, adapter_id: str, name: str, plan: KeywordPlan, after: Any = None) -> None:
-    module = _generator(ctx)
+def install_call_adapter(
+    ctx: Context, patcher: Patcher, adapter_id: str, name: str, plan: KeywordPlan, after: Any = None
+) -> None:
+    """``name`` in the generator module becomes a CallAdapter with ``plan`` (and ``after``)."""
+    module = generator_module(ctx)
     patcher.replace(adapter_id, module, name, CallAdapter(adapter_id, getattr(module, name), plan, after))
 
 
-def _passes_keyword(ctx: Context, callee: str, keyword: str) -> bool:
-    from ..preflight import call_sites
-
-    return any(keyword in site.keywords for site in call_sites(_generator(ctx)) if site.callee == callee)
+def passes_keyword(ctx: Context, callee: str, keyword: str) -> bool:
+    """Whether the generator module's calls of ``callee`` pass ``keyword`` (read from its source)."""
+    return any(keyword in site.keywords for site in call_sites(generator_module(ctx)) if site.callee == callee)
 
 
 # ---- Request(eos_token_id=..., block_hasher=...) -------------------------------------------------
@@ -37,17 +35,17 @@ REQUEST_DROPPABLE = ("eos_token_id", "block_hasher")
 
 
 def probe_request_kwargs(ctx: Context) -> Probe:
-    target = innermost(_generator(ctx).Request)
-    stale = [k for k in REQUEST_DROPPABLE if _passes_keyword(ctx, "Request", k) and not accepts(target, k)]
+    target = innermost(generator_module(ctx).Request)
+    stale = [k for k in REQUEST_DROPPABLE if passes_keyword(ctx, "Request", k) and not accepts(target, k)]
     if stale:
         return Probe(True, f"speculators passes {stale} which Request.__init__ no longer accepts")
     return Probe(False, "Request.__init__ accepts every keyword speculators passes")
 
 
 def apply_request_kwargs(ctx: Context, patcher: Patcher) -> None:
-    target = innermost(_generator(ctx).Request)
+    target = innermost(generator_module(ctx).Request)
     drop = frozenset(k for k in REQUEST_DROPPABLE if not accepts(target, k))
-    _install(ctx, patcher, "request-kwargs", "Request", KeywordPlan(drop=drop))
+    install_call_adapter(ctx, patcher, "request-kwargs", "Request", KeywordPlan(drop=drop))
 
 
 # ---- SchedulerConfig(is_encoder_decoder=...) --------------------------------------------------
@@ -56,8 +54,8 @@ def apply_request_kwargs(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_scheduler_config_encoder_decoder(ctx: Context) -> Probe:
-    target = innermost(_generator(ctx).SchedulerConfig)
-    passes = _passes_keyword(ctx, "SchedulerConfig", "is_encoder_decoder")
+    target = innermost(generator_module(ctx).SchedulerConfig)
+    passes = passes_keyword(ctx, "SchedulerConfig", "is_encoder_decoder")
     if required(target, "is_encoder_decoder") and not passes:
         return Probe(True, "SchedulerConfig requires is_encoder_decoder; speculators does not pass it")
     if passes and not accepts(target, "is_encoder_decoder"):
@@ -66,12 +64,12 @@ def probe_scheduler_config_encoder_decoder(ctx: Context) -> Probe:
 
 
 def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: Patcher) -> None:
-    target = innermost(_generator(ctx).SchedulerConfig)
+    target = innermost(generator_module(ctx).SchedulerConfig)
     if accepts(target, "is_encoder_decoder"):
         plan = KeywordPlan(add={"is_encoder_decoder": lambda kw: False})
     else:
         plan = KeywordPlan(drop=frozenset({"is_encoder_decoder"}))
-    _install(ctx, patcher, "scheduler-config-encoder-decoder", "SchedulerConfig", plan)
+    install_call_adapter(ctx, patcher, "scheduler-config-encoder-decoder", "SchedulerConfig", plan)
 
 
 # ---- CacheConfig(enable_prefix_caching=False) ---------------------------------------------------
@@ -81,16 +79,16 @@ def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: Patcher) -> No
 
 
 def probe_prefix_caching_off(ctx: Context) -> Probe:
-    target = innermost(_generator(ctx).CacheConfig)
+    target = innermost(generator_module(ctx).CacheConfig)
     if not accepts(target, "enable_prefix_caching"):
         return Probe(False, "CacheConfig has no enable_prefix_caching")
-    if _passes_keyword(ctx, "CacheConfig", "enable_prefix_caching"):
+    if passes_keyword(ctx, "CacheConfig", "enable_prefix_caching"):
         return Probe(False, "speculators already passes enable_prefix_caching")
     return Probe(True, "speculators leaves prefix caching at vLLM's default (on since 0.12.0)")
 
 
 def apply_prefix_caching_off(ctx: Context, patcher: Patcher) -> None:
-    _install(
+    install_call_adapter(
         ctx,
         patcher,
         "prefix-caching-off",
@@ -107,16 +105,18 @@ def apply_prefix_caching_off(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_block_size_from_platform(ctx: Context) -> Probe:
-    if not _passes_keyword(ctx, "CacheConfig", "block_size"):
+    if not passes_keyword(ctx, "CacheConfig", "block_size"):
         return Probe(False, "speculators does not pass a block size")
-    target = innermost(_generator(ctx).CacheConfig)
+    target = innermost(generator_module(ctx).CacheConfig)
     if not accepts(target, "block_size"):
         return Probe(False, "CacheConfig has no block_size", blocking=True)
-    return Probe(True, f"speculators hard-codes block_size={getattr(_generator(ctx), 'VLLM_BLOCK_SIZE', '?')}")
+    return Probe(True, f"speculators hard-codes block_size={getattr(generator_module(ctx), 'VLLM_BLOCK_SIZE', '?')}")
 
 
 def apply_block_size_from_platform(ctx: Context, patcher: Patcher) -> None:
-    _install(ctx, patcher, "block-size-from-platform", "CacheConfig", KeywordPlan(drop=frozenset({"block_size"})))
+    install_call_adapter(
+        ctx, patcher, "block-size-from-platform", "CacheConfig", KeywordPlan(drop=frozenset({"block_size"}))
+    )
 
 
 # ---- ModelConfig(dtype="auto") -------------------------------------------------------------------
@@ -130,7 +130,7 @@ def probe_model_dtype(ctx: Context) -> Probe:
 
 def apply_model_dtype(ctx: Context, patcher: Patcher) -> None:
     dtype = ctx.options.dtype
-    _install(ctx, patcher, "model-dtype", "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
+    install_call_adapter(ctx, patcher, "model-dtype", "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
 
 
 # ---- Scheduler(block_size=...) -------------------------------------------------------------------
@@ -154,8 +154,8 @@ def _resolved_block_sizes(kwargs: dict[str, Any]) -> tuple[int, int | None]:
 
 
 def probe_scheduler_block_size(ctx: Context) -> Probe:
-    target = innermost(_generator(ctx).Scheduler)
-    passes = _passes_keyword(ctx, "Scheduler", "block_size")
+    target = innermost(generator_module(ctx).Scheduler)
+    passes = passes_keyword(ctx, "Scheduler", "block_size")
     if required(target, "block_size") and not passes:
         return Probe(True, "Scheduler requires block_size (vLLM >= 0.11.2); speculators does not pass it")
     if passes and not accepts(target, "block_size"):
@@ -166,7 +166,7 @@ def probe_scheduler_block_size(ctx: Context) -> Probe:
 
 
 def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
-    target = innermost(_generator(ctx).Scheduler)
+    target = innermost(generator_module(ctx).Scheduler)
     override: dict[str, Any] = {}
     drop: set[str] = set()
     if accepts(target, "block_size"):
@@ -175,4 +175,6 @@ def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
         drop.add("block_size")
     if accepts(target, "hash_block_size"):
         override["hash_block_size"] = lambda kw: _resolved_block_sizes(kw)[1]
-    _install(ctx, patcher, "scheduler-block-size", "Scheduler", KeywordPlan(drop=frozenset(drop), override=override))
+    install_call_adapter(
+        ctx, patcher, "scheduler-block-size", "Scheduler", KeywordPlan(drop=frozenset(drop), override=override)
+    )

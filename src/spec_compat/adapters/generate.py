@@ -22,19 +22,19 @@ from ..options import Context
 from ..patching import Patcher
 from ..timing import OwnTime
 from . import speculators_code
-from .driver_calls import _generator
 from .probe import Probe
+from .speculators_code import generator_module
 
 GeneratorMethod = Callable[..., Any]
 
 
-def _wrap_method(
+def wrap_method(
     ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]
 ) -> None:
     """Install ``make(original)`` as ``name`` (a ``wrapt.FunctionWrapper``: the original's name,
     signature and descriptor binding are kept); the time it spends outside ``original`` is
     accounted as ``own:<adapter_id>`` (``spec_compat.timings()``)."""
-    cls = _generator(ctx).VllmHiddenStatesGenerator
+    cls = generator_module(ctx).VllmHiddenStatesGenerator
     original = getattr(cls, name)  # an earlier adapter's wrapper, bound to the class: called with self
     own = OwnTime(f"own:{adapter_id}")
 
@@ -146,7 +146,7 @@ def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "input-validation", "generate", make)
+    wrap_method(ctx, patcher, "input-validation", "generate", make)
 
 
 # ---- layer ids ------------------------------------------------------------------------------------------
@@ -220,17 +220,17 @@ def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "layer-ids", "__init__", make_init)
-    if hasattr(_generator(ctx).VllmHiddenStatesGenerator, "_create_vllm_config"):
-        _wrap_method(ctx, patcher, "layer-ids", "_create_vllm_config", make_create_config)
-    _wrap_method(ctx, patcher, "layer-ids", "generate", make_generate)
+    wrap_method(ctx, patcher, "layer-ids", "__init__", make_init)
+    if hasattr(generator_module(ctx).VllmHiddenStatesGenerator, "_create_vllm_config"):
+        wrap_method(ctx, patcher, "layer-ids", "_create_vllm_config", make_create_config)
+    wrap_method(ctx, patcher, "layer-ids", "generate", make_generate)
 
 
 # ---- results in input order (speculators 0.4.x sorts request ids as strings) ---------------------------
 
 
 def _sorts_request_ids(generate: GeneratorMethod) -> bool:
-    tree = speculators_code._tree_of(generate)
+    tree = speculators_code.tree_of(generate)
     return any(
         isinstance(node, ast.For)
         and isinstance(node.iter, ast.Call)
@@ -241,7 +241,7 @@ def _sorts_request_ids(generate: GeneratorMethod) -> bool:
 
 
 def probe_input_order(ctx: Context) -> Probe:
-    if _sorts_request_ids(_generator(ctx).VllmHiddenStatesGenerator.generate):
+    if _sorts_request_ids(generator_module(ctx).VllmHiddenStatesGenerator.generate):
         return Probe(True, "generate() returns results in sorted(request_id) order: 'req_0_10' < 'req_0_2'")
     return Probe(False, "generate() returns results in input order")
 
@@ -280,7 +280,7 @@ def apply_input_order(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "input-order", "generate", make)
+    wrap_method(ctx, patcher, "input-order", "generate", make)
 
 
 # ---- batches larger than the scheduler's sequence limit ----------------------------------------------
@@ -290,7 +290,7 @@ def apply_input_order(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_sequence_limit(ctx: Context) -> Probe:
-    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    generate = generator_module(ctx).VllmHiddenStatesGenerator.generate
     if speculators_code.calls_method(generate, "update_from_output"):
         return Probe(False, "generate() reports outputs to the scheduler, which frees finished requests")
     return Probe(True, "generate() never frees finished requests: inputs beyond max_num_seqs would never be scheduled")
@@ -309,7 +309,7 @@ def apply_sequence_limit(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "sequence-limit", "generate", make)
+    wrap_method(ctx, patcher, "sequence-limit", "generate", make)
 
 
 # ---- speculators 0.3.0: one scheduler step per call --------------------------------------------------
@@ -319,7 +319,7 @@ def apply_sequence_limit(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_single_step(ctx: Context) -> Probe:
-    generate = _generator(ctx).VllmHiddenStatesGenerator.generate
+    generate = generator_module(ctx).VllmHiddenStatesGenerator.generate
     if speculators_code.finishes_requests_inside_schedule_loop(generate):
         return Probe(
             True, "generate() aborts every request after its first scheduled chunk (and slices by input offsets)"
@@ -401,7 +401,7 @@ def apply_single_step(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "single-step-batches", "generate", make)
+    wrap_method(ctx, patcher, "single-step-batches", "generate", make)
 
 
 def _verify_worker_order(generator: Any) -> None:
@@ -472,4 +472,4 @@ def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "results-contract", "generate", make)
+    wrap_method(ctx, patcher, "results-contract", "generate", make)

@@ -11,8 +11,10 @@ from ..calls import KeywordPlan, accepts, innermost, required
 from ..options import Context
 from ..patching import Patcher
 from . import speculators_code
-from .driver_calls import _generator, _install, _passes_keyword
+from .driver_calls import install_call_adapter, passes_keyword
+from .executor_switches import executor_for
 from .probe import Probe
+from .speculators_code import generator_module
 
 # ---- get_kv_cache_config_from_groups(kv_cache_specs=...) -----------------------------------------
 # vLLM 0.12.0 dropped kv_cache_specs (0.11.x required it). speculators 0.3.0 passes it, 0.4.x not.
@@ -23,8 +25,8 @@ def _specs_from_groups(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def probe_kv_config_signature(ctx: Context) -> Probe:
-    target = innermost(_generator(ctx).get_kv_cache_config_from_groups)
-    passes = _passes_keyword(ctx, "get_kv_cache_config_from_groups", "kv_cache_specs")
+    target = innermost(generator_module(ctx).get_kv_cache_config_from_groups)
+    passes = passes_keyword(ctx, "get_kv_cache_config_from_groups", "kv_cache_specs")
     if passes and not accepts(target, "kv_cache_specs"):
         return Probe(True, "speculators passes kv_cache_specs, removed in vLLM 0.12.0")
     if not passes and required(target, "kv_cache_specs"):
@@ -33,12 +35,12 @@ def probe_kv_config_signature(ctx: Context) -> Probe:
 
 
 def apply_kv_config_signature(ctx: Context, patcher: Patcher) -> None:
-    target = innermost(_generator(ctx).get_kv_cache_config_from_groups)
+    target = innermost(generator_module(ctx).get_kv_cache_config_from_groups)
     if accepts(target, "kv_cache_specs"):
         plan = KeywordPlan(add={"kv_cache_specs": _specs_from_groups})
     else:
         plan = KeywordPlan(drop=frozenset({"kv_cache_specs"}))
-    _install(ctx, patcher, "kv-config-signature", "get_kv_cache_config_from_groups", plan)
+    install_call_adapter(ctx, patcher, "kv-config-signature", "get_kv_cache_config_from_groups", plan)
 
 
 # ---- KV memory where the device reports none -------------------------------------------------------
@@ -48,8 +50,6 @@ def apply_kv_config_signature(ctx: Context, patcher: Patcher) -> None:
 
 
 def _available_memory(kwargs: dict[str, Any]) -> int:
-    from .executor import executor_for
-
     given = int(kwargs.get("available_memory") or 0)
     if given > 0:
         return given
@@ -73,7 +73,7 @@ def probe_kv_memory(ctx: Context) -> Probe:
 
 def apply_kv_memory(ctx: Context, patcher: Patcher) -> None:
     plan = KeywordPlan(override={"available_memory": _available_memory})
-    _install(ctx, patcher, "kv-memory-from-workers", "get_kv_cache_config_from_groups", plan)
+    install_call_adapter(ctx, patcher, "kv-memory-from-workers", "get_kv_cache_config_from_groups", plan)
 
 
 # ---- KVCacheConfig fields the engine core fills in -------------------------------------------------
@@ -115,7 +115,7 @@ def probe_kv_config_fields(ctx: Context) -> Probe:
 
 
 def apply_kv_config_fields(ctx: Context, patcher: Patcher) -> None:
-    _install(
+    install_call_adapter(
         ctx,
         patcher,
         "kv-config-engine-fields",
@@ -172,12 +172,14 @@ def _no_cache_to_empty(*args: Any) -> None:
 
 def _device_memory_calls(ctx: Context) -> tuple[list[str], list[str]]:
     """(torch.cuda.* names, speculators helper names) the generator's __init__/generate call."""
-    cls = _generator(ctx).VllmHiddenStatesGenerator
+    cls = generator_module(ctx).VllmHiddenStatesGenerator
     uses = speculators_code.dotted_uses(cls.__init__) | speculators_code.dotted_uses(cls.generate)
     called = speculators_code.called_names(cls.__init__) | speculators_code.called_names(cls.generate)
     direct = sorted(u for u in uses if u.startswith("torch.cuda."))
     helpers = [
-        name for name in DEVICE_MEMORY_HELPERS if name in called and callable(getattr(_generator(ctx), name, None))
+        name
+        for name in DEVICE_MEMORY_HELPERS
+        if name in called and callable(getattr(generator_module(ctx), name, None))
     ]
     return direct, helpers
 
@@ -194,7 +196,7 @@ def probe_device_memory_query(ctx: Context) -> Probe:
 
 
 def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
-    module = _generator(ctx)
+    module = generator_module(ctx)
     direct, helpers = _device_memory_calls(ctx)
     if direct:
         patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))

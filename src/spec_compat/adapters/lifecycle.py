@@ -26,8 +26,8 @@ from typing import Any
 
 from ..options import Context
 from ..patching import Patcher
-from .driver_calls import _generator
 from .probe import Probe
+from .speculators_code import generator_module
 
 ADAPTER_ID = "shutdown-at-exit"
 logger = logging.getLogger("spec_compat.lifecycle")
@@ -65,14 +65,14 @@ def shutdown_live_generators() -> int:
 
 
 def probe_shutdown_at_exit(ctx: Context) -> Probe:
-    cls = _generator(ctx).VllmHiddenStatesGenerator
+    cls = generator_module(ctx).VllmHiddenStatesGenerator
     if "__del__" in vars(cls):
         return Probe(True, "the engine is shut down only by __del__, which fails during interpreter teardown")
     return Probe(True, "nothing shuts the engine down at exit (no __del__): workers would be left to multiprocessing")
 
 
 def apply_shutdown_at_exit(ctx: Context, patcher: Patcher) -> None:
-    cls = _generator(ctx).VllmHiddenStatesGenerator
+    cls = generator_module(ctx).VllmHiddenStatesGenerator
     original_init: Callable[..., None] = cls.__init__
     live, mark = _LIVE, SHUT_MARK  # closed over: __del__ may run after this module's globals are gone
 

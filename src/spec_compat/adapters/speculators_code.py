@@ -8,13 +8,27 @@ import importlib
 import inspect
 import textwrap
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from .. import source_parsing
+from ..options import Context
 
 GENERATOR_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER_MODULE = "speculators.data_generation.custom_worker"
+
+
+def generator_module(ctx: Context) -> Any:
+    """speculators' generator module (driver adapters run only once it is imported)."""
+    assert ctx.generator is not None, "driver adapters need the speculators generator module"
+    return ctx.generator
+
+
+def worker_module(ctx: Context) -> Any:
+    """speculators' custom_worker module (worker adapters run only once it is imported)."""
+    assert ctx.worker is not None, "worker adapters need speculators' custom_worker module"
+    return ctx.worker
 
 
 def import_generator() -> ModuleType:
@@ -31,7 +45,7 @@ def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @functools.lru_cache(maxsize=64)
-def _tree_of(fn: Callable[..., Any]) -> ast.AST:
+def tree_of(fn: Callable[..., Any]) -> ast.AST:
     return source_parsing.parse(textwrap.dedent(inspect.getsource(_unwrapped(fn))))
 
 
@@ -41,22 +55,20 @@ def module_tree(module: ModuleType) -> ast.Module:
 
 
 def attribute_names_used(fn: Callable[..., Any]) -> set[str]:
-    return {node.attr for node in ast.walk(_tree_of(fn)) if isinstance(node, ast.Attribute)}
+    return {node.attr for node in ast.walk(tree_of(fn)) if isinstance(node, ast.Attribute)}
 
 
 def called_names(fn: Callable[..., Any]) -> set[str]:
     """Bare names called in ``fn`` (``mem_get_info()``), i.e. module-level functions it uses."""
     return {
-        node.func.id
-        for node in ast.walk(_tree_of(fn))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        node.func.id for node in ast.walk(tree_of(fn)) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
     }
 
 
 def dotted_uses(fn: Callable[..., Any]) -> set[str]:
     """Dotted names such as ``torch.cuda.mem_get_info`` appearing in ``fn``."""
     found: set[str] = set()
-    for node in ast.walk(_tree_of(fn)):
+    for node in ast.walk(tree_of(fn)):
         if isinstance(node, ast.Attribute):
             parts: list[str] = []
             current: ast.AST = node
@@ -72,7 +84,7 @@ def dotted_uses(fn: Callable[..., Any]) -> set[str]:
 def calls_method(fn: Callable[..., Any], method: str) -> bool:
     return any(
         isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method
-        for node in ast.walk(_tree_of(fn))
+        for node in ast.walk(tree_of(fn))
     )
 
 
@@ -97,7 +109,7 @@ def reads_unique_reply_once_per_key(fn: Callable[..., Any]) -> bool:
     speculators 0.4.x: ``for req_id in sorted(...): ... request_states_dict[req_id]`` (then
     ``.clone()`` of each tensor). Any other use of the reply (``in``, ``len``, ``keys()``) is fine.
     """
-    tree = _tree_of(fn)
+    tree = tree_of(fn)
     targets = _unique_reply_names(tree)
     reads = [
         node
@@ -118,7 +130,7 @@ def indexes_unique_reply(fn: Callable[..., Any]) -> bool:
     speculators 0.3.0 does (``captured_states_list[0]``: vLLM <= 0.11.0 returned a one-element
     list); 0.4.x uses the value itself (vLLM >= 0.11.2 returns the bare rank result).
     """
-    tree = _tree_of(fn)
+    tree = tree_of(fn)
     targets = _unique_reply_names(tree)
     return any(
         isinstance(node, ast.Subscript)
@@ -133,7 +145,7 @@ def indexes_unique_reply(fn: Callable[..., Any]) -> bool:
 def finishes_requests_inside_schedule_loop(fn: Callable[..., Any]) -> bool:
     """speculators 0.3.0 calls scheduler.finish_requests() inside its ``while schedule()`` loop,
     so every request is aborted after its first scheduled chunk."""
-    for loop in ast.walk(_tree_of(fn)):
+    for loop in ast.walk(tree_of(fn)):
         if isinstance(loop, ast.While) and any(
             isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "finish_requests"
             for statement in loop.body
@@ -145,3 +157,43 @@ def finishes_requests_inside_schedule_loop(fn: Callable[..., Any]) -> bool:
 
 def module_level_constant(module: ModuleType, name: str) -> Any:
     return getattr(module, name, None)
+
+
+# ---- the calls the generator module makes (read by driver adapters and by preflight) ----------
+
+# Instance attributes of the generator and the class each one is built from.
+INSTANCE_TYPES = {"executor": "MultiprocExecutor", "scheduler": "Scheduler"}
+
+
+@dataclass(frozen=True)
+class CallSite:
+    callee: str  # module-level name, or "<owner>.<method>" for self.executor / self.scheduler calls
+    keywords: frozenset[str]
+    n_positional: int
+    line: int
+    rpc_method: str | None = None  # first argument of collective_rpc, when a string
+
+
+@functools.lru_cache(maxsize=8)
+def call_sites(module: ModuleType) -> tuple[CallSite, ...]:
+    tree = source_parsing.parse(inspect.getsource(module))
+    sites: list[CallSite] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = frozenset(k.arg for k in node.keywords if k.arg is not None)
+        func = node.func
+        if isinstance(func, ast.Name):
+            sites.append(CallSite(func.id, keywords, len(node.args), node.lineno))
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Attribute)
+            and isinstance(func.value.value, ast.Name)
+            and func.value.value.id == "self"
+            and func.value.attr in INSTANCE_TYPES
+        ):
+            rpc = None
+            if func.attr == "collective_rpc" and node.args and isinstance(node.args[0], ast.Constant):
+                rpc = str(node.args[0].value)
+            sites.append(CallSite(f"{func.value.attr}.{func.attr}", keywords, len(node.args), node.lineno, rpc))
+    return tuple(sites)

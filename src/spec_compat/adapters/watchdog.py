@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import shutil
 import signal
@@ -37,9 +38,14 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
+from ..errors import WorkerTimeout
 from ..options import Context
 from ..patching import Patcher
+from .executor_switches import switch_on
+from .generate import GeneratorMethod, wrap_method
 from .probe import Probe
+
+logger = logging.getLogger("spec_compat.executor")
 
 WATCHDOG_DIR_ENV = "SPEC_COMPAT_WATCHDOG_DIR"  # set while spec_compat's executor starts its workers
 STACK_SIGNAL: int | None = getattr(signal, "SIGUSR2", None)
@@ -227,10 +233,63 @@ def probe_rpc_deadline(ctx: Context) -> Probe:
     )
 
 
-def apply_rpc_deadline(ctx: Context, patcher: Patcher) -> None:
-    from .executor import _set_flag
+apply_rpc_deadline = switch_on("executor-rpc-deadline", "rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s)
 
-    _set_flag(ctx, patcher, "executor-rpc-deadline", "rpc_timeout_s", ctx.options.rpc_timeout_s)
+
+def with_deadline(executor: Any, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
+    """The hook before an RPC: the deadline put into ``kwargs['timeout']`` where it applies; returns
+    the replies read per rank so far (None: no deadline on this call)."""
+    if (
+        executor.rpc_timeout_s is None
+        or args  # a positional timeout
+        or not isinstance(method, str)
+        or method not in executor.deadlined_methods
+        or kwargs.get("non_block") is True
+    ):
+        return None
+    caller = kwargs.get("timeout")
+    if caller is None or (method in MODEL_STEPS and not executor.keep_step_timeout):
+        kwargs["timeout"] = executor.rpc_timeout_s
+    else:
+        kwargs["timeout"] = min(caller, executor.rpc_timeout_s)
+    return list(executor.replies_read)
+
+
+def timeout_error(executor: Any, method: str, kwargs: dict[str, Any], read_before: list[int]) -> WorkerTimeout:
+    """The hook when the deadline passed: who answered, every silent rank's stacks and process
+    state, then the engine shut down (``executor.spec_compat_stop``)."""
+    timeout_s = float(kwargs["timeout"])
+    handles = {h.rank: h for h in list(getattr(executor, "workers", None) or [])}
+    queues = list(getattr(executor, "response_mqs", None) or [])
+    reply_rank = kwargs.get("unique_reply_rank")
+    aggregated = kwargs.get("kv_output_aggregator") or kwargs.get("ec_output_aggregator")
+    asked = list(range(len(queues))) if reply_rank is None or aggregated else [reply_rank]
+    replies_read = executor.replies_read
+    read = {r for r in asked if r < len(replies_read) and replies_read[r] > read_before[r]}
+    # Stacks first, at the deadline: every rank whose reply was not read (or was not asked for).
+    silent = {rank: h.proc.pid for rank, h in handles.items() if rank not in read}
+    stacks = take_stacks(silent, executor.watchdog_directory)
+    answered, stuck = sorted(read), []
+    for rank in asked:
+        if rank in read:
+            continue
+        try:  # vLLM reads in rank order and stops at the first silent rank: later replies wait
+            queues[rank].dequeue(timeout=REPLY_PROBE_S)
+            answered.append(rank)
+        except Exception:  # noqa: BLE001 - no reply (TimeoutError), or a queue already closed
+            stuck.append(rank)
+    answered.sort()
+    states = {}
+    for rank, handle in sorted(handles.items()):
+        role = "answered" if rank in answered else ("NO REPLY" if rank in stuck else "not asked to reply")
+        states[rank] = f"TP rank {rank} (pid {handle.proc.pid}): {process_state(handle.proc)}; {role}"
+    for rank in answered:
+        stacks.pop(rank, None)
+    name = f"no reply to {method!r} within {timeout_s:g} s from " + (", ".join(f"TP rank {r}" for r in stuck) or "?")
+    shutdown = executor.spec_compat_stop(name, [handles[r].proc for r in stuck if r in handles])
+    error = WorkerTimeout(method, timeout_s, answered, stuck, stacks, states, shutdown)
+    logger.error("spec_compat: %s", error)
+    return error
 
 
 # ---- driver side: SIGINT / SIGTERM during generate() ------------------------------------------------
@@ -337,8 +396,6 @@ def probe_signal_shutdown(ctx: Context) -> Probe:
 
 
 def apply_signal_shutdown(ctx: Context, patcher: Patcher) -> None:
-    from .generate import GeneratorMethod, _wrap_method
-
     def make(original: GeneratorMethod) -> GeneratorMethod:
         def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
             if threading.current_thread() is not threading.main_thread():
@@ -348,4 +405,4 @@ def apply_signal_shutdown(ctx: Context, patcher: Patcher) -> None:
 
         return generate
 
-    _wrap_method(ctx, patcher, "generate-signal-shutdown", "generate", make)
+    wrap_method(ctx, patcher, "generate-signal-shutdown", "generate", make)

@@ -20,16 +20,12 @@ from ..patching import Patcher
 from ..remote_errors import EncodedWorkerException, encode
 from . import speculators_code
 from .probe import Probe
+from .speculators_code import worker_module
 
 logger = logging.getLogger("spec_compat.worker")
 
 
-def _worker(ctx: Context) -> Any:
-    assert ctx.worker is not None, "worker adapters need speculators' custom_worker module"
-    return ctx.worker
-
-
-def _tp_rank() -> int | None:
+def tp_rank() -> int | None:
     try:
         from vllm.distributed import get_tp_group
 
@@ -53,7 +49,7 @@ def _loud(method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         except EncodedWorkerException:
             raise
         except Exception as exc:
-            raise encode(exc, _tp_rank(), method) from exc
+            raise encode(exc, tp_rank(), method) from exc
 
     wrapper.spec_compat_loud = True  # type: ignore[attr-defined]
     return wrapper
@@ -64,7 +60,7 @@ def probe_loud_worker_errors(ctx: Context) -> Probe:
 
 
 def apply_loud_worker_errors(ctx: Context, patcher: Patcher) -> None:
-    worker = _worker(ctx)
+    worker = worker_module(ctx)
     extension = worker.HiddenStatesWorkerExtension
     for name, value in list(vars(extension).items()):
         if inspect.isfunction(value) and not getattr(value, "spec_compat_loud", False):
@@ -84,13 +80,13 @@ def apply_loud_worker_errors(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_capture_gate(ctx: Context) -> Probe:
-    if "supports_eagle3" in vars(_worker(ctx)):
+    if "supports_eagle3" in vars(worker_module(ctx)):
         return Probe(True, "speculators gates capture on vLLM's SupportsEagle3 interface")
     return Probe(False, "speculators does not gate on SupportsEagle3")
 
 
 def apply_capture_gate(ctx: Context, patcher: Patcher) -> None:
-    worker = _worker(ctx)
+    worker = worker_module(ctx)
     original = worker.supports_eagle3
 
     @functools.wraps(original)
@@ -180,7 +176,7 @@ def _setup_reads(worker: Any) -> set[str]:
 
 
 def probe_wrapper_base_model(ctx: Context) -> Probe:
-    reads = _setup_reads(_worker(ctx))
+    reads = _setup_reads(worker_module(ctx))
     if "model" not in reads:
         return Probe(False, "speculators' capture set-up does not look up a base model")
     how = "model.get_language_model().model or model.model" if "get_language_model" in reads else "model.model"
@@ -190,7 +186,7 @@ def probe_wrapper_base_model(ctx: Context) -> Probe:
 
 
 def apply_wrapper_base_model(ctx: Context, patcher: Patcher) -> None:
-    worker = _worker(ctx)
+    worker = worker_module(ctx)
     extension_cls = worker.HiddenStatesWorkerExtension
     original = vars(extension_cls)["_setup_hidden_states_capture"]
     reads_language_model = "get_language_model" in _setup_reads(worker)
@@ -227,7 +223,7 @@ def _embed_name_called(worker: Any) -> str | None:
 
 
 def probe_embed_alias(ctx: Context) -> Probe:
-    called = _embed_name_called(_worker(ctx))
+    called = _embed_name_called(worker_module(ctx))
     if called is None:
         return Probe(False, "speculators' forward calls no embedding method")
     from vllm.model_executor.models import interfaces_base
@@ -257,7 +253,7 @@ def _setup_checks(extension: Any, base: Any) -> None:
 
 
 def apply_capture_setup(ctx: Context, patcher: Patcher) -> None:
-    worker = _worker(ctx)
+    worker = worker_module(ctx)
     extension_cls = worker.HiddenStatesWorkerExtension
     original = vars(extension_cls)["_setup_hidden_states_capture"]
     called = _embed_name_called(worker)
@@ -294,7 +290,7 @@ def probe_layer_kwargs(ctx: Context) -> Probe:
 
 
 def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
-    worker = _worker(ctx)
+    worker = worker_module(ctx)
     original = worker._patched_forward
 
     @functools.wraps(original)
@@ -342,14 +338,14 @@ def _layer_accepts(layer: Any, name: str) -> bool:
 
 
 def probe_batch_order_log(ctx: Context) -> Probe:
-    store = _worker(ctx).HiddenStatesWorkerExtension._store_captured_states
+    store = worker_module(ctx).HiddenStatesWorkerExtension._store_captured_states
     if "input_batch" in speculators_code.attribute_names_used(store):
         return Probe(False, "speculators orders captures by the runner's batch itself")
     return Probe(True, "speculators assumes the runner batched requests in input order; record it to verify")
 
 
 def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
-    extension_cls = _worker(ctx).HiddenStatesWorkerExtension
+    extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
     original = vars(extension_cls)["_store_captured_states"]
 
     @functools.wraps(original)
@@ -376,7 +372,7 @@ def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
 
 
 def probe_shared_memory_states(ctx: Context) -> Probe:
-    extension = _worker(ctx).HiddenStatesWorkerExtension
+    extension = worker_module(ctx).HiddenStatesWorkerExtension
     if "_get_captured_states" not in vars(extension):
         return Probe(False, "speculators' worker has no _get_captured_states")
     return Probe(
@@ -387,7 +383,7 @@ def probe_shared_memory_states(ctx: Context) -> Probe:
 
 
 def apply_shared_memory_states(ctx: Context, patcher: Patcher) -> None:
-    extension_cls = _worker(ctx).HiddenStatesWorkerExtension
+    extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
     original = vars(extension_cls)["_get_captured_states"]
 
     @functools.wraps(original)
@@ -398,7 +394,7 @@ def apply_shared_memory_states(ctx: Context, patcher: Patcher) -> None:
             return result  # not started by spec_compat's executor (or its transfer is off): as speculators does
         pool = self.__dict__.get("_spec_compat_segments")
         if pool is None or pool.directory != directory:
-            pool = transfer.SegmentPool(directory, f"rank{_tp_rank()}-pid{os.getpid()}")
+            pool = transfer.SegmentPool(directory, f"rank{tp_rank()}-pid{os.getpid()}")
             self._spec_compat_segments = pool
         return transfer.pack(result, pool)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from ..options import Context
 from ..patching import Patcher
-from ..remote_errors import _BEGIN, encode
+from ..remote_errors import encode, is_encoded
 from .probe import Probe
-from .worker import _tp_rank
+from .worker import tp_rank
 
 
 def probe_exception_transport(ctx: Context) -> Probe:
@@ -32,8 +32,8 @@ def apply_exception_transport(ctx: Context, patcher: Patcher) -> None:
 
     @functools.wraps(original)
     def handle_output(self: Any, output: Any) -> Any:
-        if isinstance(output, Exception) and _BEGIN not in str(output):
-            rank = _tp_rank()
+        if isinstance(output, Exception) and not is_encoded(str(output)):
+            rank = tp_rank()
             output = encode(output, rank if rank is not None else getattr(self, "rank", None), "worker RPC")
         return original(self, output)
 

@@ -1,0 +1,91 @@
+"""Failure diagnosis in spec_compat's executor: what a caller sees when a worker fails.
+
+Adapter ``executor-all-ranks-reply``: with ``unique_reply_rank=k`` vLLM reads only rank k's reply,
+so an exception on another rank is logged in that worker and never reaches the caller; every rank
+is asked instead and rank k's reply handed back. Always on in the subclass (adapter ``executor``):
+an encoded worker exception (``loud-worker-errors``) is raised as ``WorkerError`` with the replies
+of later ranks drained, and a worker process that died is named (``WorkerProcessDied``).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from .. import remote_errors
+from ..errors import WorkerError
+from ..options import Context
+from .executor_switches import switch_on
+from .probe import Probe
+
+DRAIN_TIMEOUT_S = 60.0
+
+
+def dead_worker_error(executor: Any, method: Any, wait_s: float = 2.0) -> WorkerError | None:
+    """A WorkerError naming the worker process that died, if one did."""
+    handles = list(getattr(executor, "workers", None) or [])
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [h for h in handles if getattr(getattr(h, "proc", None), "exitcode", None) is not None]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not dead:
+        return None
+    # Workers stopped by vLLM's own shutdown after the first death exit with SIGTERM.
+    dead.sort(key=lambda h: h.proc.exitcode == -signal.SIGTERM)
+    first = dead[0]
+
+    def describe(handle: Any) -> str:
+        code = handle.proc.exitcode
+        how = f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+        return f"rank {handle.rank} (pid {handle.proc.pid}) {how}"
+
+    name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+    return WorkerError(
+        exc_type="WorkerProcessDied",
+        message="worker process " + "; ".join(describe(h) for h in dead),
+        rank=first.rank,
+        remote_traceback="(the process died: no Python traceback; see its log or a core dump)",
+        method=name,
+    )
+
+
+def drain_replies_after(executor: Any, failed_rank: int) -> None:
+    """vLLM reads replies in rank order and stops at the first failure: the replies of the later
+    ranks stay queued and would be taken as the answers to the *next* RPC."""
+    for queue in list(getattr(executor, "response_mqs", None) or [])[failed_rank + 1 :]:
+        try:
+            queue.dequeue(timeout=DRAIN_TIMEOUT_S)
+        except Exception as exc:
+            executor.is_failed = True
+            raise RuntimeError(
+                "spec_compat: a worker failed and the other workers' replies could not be drained; "
+                "this executor cannot be used further"
+            ) from exc
+
+
+def diagnosed(executor: Any, exc: Exception, method: Any, kwargs: dict[str, Any]) -> Exception | None:
+    """The error to raise instead of vLLM's ``exc`` (None: raise ``exc`` itself): the worker's own
+    exception decoded, else the worker process that died."""
+    decoded = remote_errors.decode(str(exc))
+    if decoded is not None:
+        if kwargs.get("unique_reply_rank") is None and decoded.rank is not None:
+            drain_replies_after(executor, decoded.rank)
+        return decoded
+    return dead_worker_error(executor, method)
+
+
+# ---- executor-all-ranks-reply -----------------------------------------------------------------------
+
+
+def probe_all_ranks_reply(ctx: Context) -> Probe:
+    return Probe(
+        True,
+        "with unique_reply_rank vLLM only reads rank k's reply: an exception on another rank is "
+        "logged in that worker and never reaches the caller",
+    )
+
+
+apply_all_ranks_reply = switch_on("executor-all-ranks-reply", "all_ranks_reply")

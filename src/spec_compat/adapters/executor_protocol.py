@@ -1,0 +1,116 @@
+"""How speculators drives the engine vs what this vLLM's executor expects: the reply shape of
+``collective_rpc(unique_reply_rank=k)``, ``execute_model`` then ``sample_tokens``, the KV cache
+layout the engine core resolves, and the model runner speculators' capture needs.
+
+Adapters ``executor-reply-shape``, ``executor-sample-tokens``, ``executor-kv-layout``,
+``executor-model-runner-v1``; each switches one behaviour of spec_compat's executor subclass.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..options import Context
+from . import speculators_code
+from .executor_switches import switch_on
+from .probe import Probe
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+# ---- collective_rpc(unique_reply_rank=k) return shape -------------------------------------------------
+# vLLM <= 0.11.0 returned [result]; 0.11.2+ returns the result itself (PR in 0.11.2 with
+# kv_output_aggregator). speculators 0.3.0 indexes [0]; 0.4.x uses the value.
+
+
+def _vllm_returns_bare_value(base: Any) -> bool:
+    import inspect
+
+    return "kv_output_aggregator" in inspect.signature(base.collective_rpc).parameters
+
+
+def probe_reply_shape(ctx: Context) -> Probe:
+    generate = speculators_code.generator_module(ctx).VllmHiddenStatesGenerator.generate
+    expects_list = speculators_code.indexes_unique_reply(generate)
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    bare = _vllm_returns_bare_value(MultiprocExecutor)
+    if expects_list and bare:
+        return Probe(True, "speculators indexes the reply [0]; this vLLM returns the bare rank result")
+    if not expects_list and not bare:
+        return Probe(False, "speculators uses the reply as a dict; this vLLM returns a one-element list", blocking=True)
+    return Probe(False, "reply shape matches what speculators expects")
+
+
+apply_reply_shape = switch_on("executor-reply-shape", "reply_as_list")
+
+
+# ---- execute_model() + sample_tokens() split (vLLM 0.11.2) -----------------------------------------
+
+
+def probe_sample_tokens(ctx: Context) -> Probe:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    generate = speculators_code.generator_module(ctx).VllmHiddenStatesGenerator.generate
+    if not hasattr(MultiprocExecutor, "sample_tokens"):
+        return Probe(False, "this vLLM samples inside execute_model")
+    if speculators_code.calls_method(generate, "sample_tokens"):
+        return Probe(False, "speculators calls sample_tokens() itself")
+    return Probe(True, "execute_model() returns None and sample_tokens() must follow; speculators never calls it")
+
+
+apply_sample_tokens = switch_on("executor-sample-tokens", "sample_after_execute")
+
+
+# ---- KV cache layout (vLLM 0.29.0) -----------------------------------------------------------------
+
+
+def resolve_kv_cache_layout(executor: Any) -> None:
+    """The hook, once the workers are up: the layout resolved and published as the engine core does."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout as resolve
+
+    specs = [spec for worker_specs in executor.get_kv_cache_specs() for spec in worker_specs.values()]
+    layout = resolve(executor.vllm_config, executor.get_supported_kv_cache_layouts(), specs)
+    executor.set_kv_cache_layout(layout.name)
+
+
+def probe_kv_layout(ctx: Context) -> Probe:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if not hasattr(MultiprocExecutor, "set_kv_cache_layout"):
+        return Probe(False, "this vLLM has no engine-resolved KV cache layout")
+    try:
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: F401
+    except ImportError:
+        return Probe(False, "set_kv_cache_layout exists but resolve_kv_cache_layout does not", blocking=True)
+    return Probe(True, "the engine core resolves the KV cache layout and sends it to workers; speculators does not")
+
+
+apply_kv_layout = switch_on("executor-kv-layout", "resolve_kv_layout")
+
+
+# ---- Model Runner V2 has no input_batch (default from 0.22.1 on GPU) ----------------------------------
+
+
+def v1_runner_env(force: bool) -> dict[str, str]:
+    """The hook: ``VLLM_USE_V2_MODEL_RUNNER=0`` for the workers' start, unless the user set it."""
+    return {V2_RUNNER_ENV: "0"} if force and V2_RUNNER_ENV not in os.environ else {}
+
+
+def probe_v1_model_runner(ctx: Context) -> Probe:
+    import vllm.envs as vllm_envs
+
+    if V2_RUNNER_ENV not in dir(vllm_envs):
+        return Probe(False, "this vLLM has no Model Runner V2 switch")
+    worker = ctx.worker
+    if worker is not None:
+        store = worker.HiddenStatesWorkerExtension._store_captured_states
+        if "input_batch" in speculators_code.attribute_names_used(store):
+            return Probe(True, "speculators reads model_runner.input_batch, which Model Runner V2 does not have")
+    return Probe(
+        True,
+        "speculators slices captures in the V1 runner's batch order; V2 sorts the batch by token count",
+    )
+
+
+apply_v1_model_runner = switch_on("executor-model-runner-v1", "force_v1_model_runner")

@@ -1,0 +1,57 @@
+"""Adapter ``rpc-reply-read-once``: driver memory while speculators clones the captured states.
+
+speculators 0.4.x clones every tensor of ``reply[req_id]`` in a loop while the whole reply stays
+referenced until generate() returns, so the driver holds two copies of everything at the end. A
+dict reply of speculators' RPCs becomes a mapping whose entries are released when read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..options import Context
+from . import speculators_code
+from .executor_switches import switch_on
+from .probe import Probe
+
+
+class ReadOnceReply(dict):  # type: ignore[type-arg]
+    """A reply mapping whose entries are released when read: ``reply[key]`` removes the entry.
+
+    Releasing each entry after its only read keeps about one copy. A second read of the same key raises.
+    """
+
+    __slots__ = ("released",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released: set[Any] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in self.released:
+            raise KeyError(
+                f"spec_compat: reply entry {key!r} was already read and released (adapter 'rpc-reply-read-once'; "
+                "disable it if this code reads an entry twice)"
+            )
+        value = self.pop(key)
+        self.released.add(key)
+        return value
+
+
+def read_once(result: Any) -> Any:
+    """The hook: a dict reply (rank k's, of speculators' RPC) as a ReadOnceReply; anything else as is."""
+    return ReadOnceReply(result) if type(result) is dict else result
+
+
+def probe_read_once_reply(ctx: Context) -> Probe:
+    generate = speculators_code.generator_module(ctx).VllmHiddenStatesGenerator.generate
+    if not speculators_code.reads_unique_reply_once_per_key(generate):
+        return Probe(False, "speculators does not read the captured-states reply once per key in a loop")
+    return Probe(
+        True,
+        "speculators copies each reply entry (clone) while the whole reply stays referenced: ~2x the returned "
+        "bytes in the driver; each entry is released after its read",
+    )
+
+
+apply_read_once_reply = switch_on("rpc-reply-read-once", "read_once_replies")
