@@ -591,7 +591,7 @@ ADAPTERS: tuple[Adapter, ...] = (
     ),
 )
 
-# Registry adapters that switch executor behaviour need the executor subclass installed first:
-# the "executor" record does that (its apply installs the subclass).
+# Adapters that switch executor behaviour (executor_switches.set_flag / switch_on) install the
+# subclass first if the "executor" record has not (its apply installs it and its worker options).
 BY_ID = {adapter.id: adapter for adapter in ADAPTERS}
 assert len(BY_ID) == len(ADAPTERS), "adapter ids must be unique"
