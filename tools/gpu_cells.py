@@ -439,6 +439,7 @@ class Session:
     references: dict[str, list[Any]] = field(default_factory=dict)
     reference_dirs: dict[str, Path] = field(default_factory=dict)  # the checkpoint HF ran on
     reference_devices: dict[str, str] = field(default_factory=dict)  # where the used reference ran
+    bfloat16_families: set[str] = field(default_factory=set)  # families with bfloat16 cells
     results: dict[str, Any] = field(default_factory=dict)  # cell name -> record "results" (for TP compares)
     cells: list[dict[str, Any]] = field(default_factory=list)
     logs: dict[str, str] = field(default_factory=dict)
@@ -666,6 +667,8 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
                 entry["error"] = f"unreadable {partial.name}: {exc}"
     else:
         try:
+            if run.cell.family not in session.references:
+                prepare_reference(session, run.cell.family)
             record = torch.load(run.out_path, weights_only=False)
             verdict = judge(run.cell, record, session.references[run.cell.family], session.prompts)
             floor = session.info.get("references", {}).get(run.cell.family, {}).get("hf_bfloat16")
@@ -723,47 +726,65 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
 
 
 def prepare(session: Session, cells: list[Cell]) -> None:
-    """Tiny models and the HF reference of each family the cells use. With a GPU reference, the
-    CPU reference (what tests/test_engine.py uses) is computed too, as a cross-check: the GPU one
-    is used only if it ran and agrees with it to REF_AGREEMENT; otherwise the CPU one is. A
-    quantized family's reference runs on its dequantized twin (the weights the kernels see)."""
+    """The tiny model of each family the cells use (fast). Their HF references come later, in the
+    scheduler's idle time while the first engines start (``prepare_reference``)."""
     sys.path.insert(0, str(TESTS))
     from transformers.utils import logging as hf_logging
 
     from tiny_models import build_model
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    ref_device = session.args.ref_device
+    session.bfloat16_families = {c.family for c in cells if c.dtype == "bfloat16"}
     for family in dict.fromkeys(c.family for c in cells):
         began = time.perf_counter()
-        model = session.models[family] = build_model(family, session.work / "models" / family)
-        marker = json.loads((model / "tiny_model_build.json").read_text())
-        record: dict[str, Any] = {"device": "cpu", "quantization": marker.get("quantization")}
-        ref_dir, cpu_ref, note = reference_for(session, family, model)
-        record["reference_dir"] = str(ref_dir)
-        if note:
-            record["reference_note"] = note
-        reference = cpu_ref
-        if ref_device != "cpu":
-            try:
-                gpu_ref = hf_layer_outputs_on(ref_dir, session.prompts, LAYER_IDS, ref_device)
-                agreement = fp32_metric(gpu_ref, cpu_ref)["max_rel_diff"]
-                record[f"{ref_device}_vs_cpu_max_rel_diff"] = agreement
-                if agreement <= REF_AGREEMENT:
-                    reference, record["device"] = gpu_ref, ref_device
-                else:
-                    record["note"] = f"{ref_device} reference differs from CPU by {agreement:.2e}: CPU used"
-            except Exception as exc:  # noqa: BLE001 - fall back to the CPU reference, say why
-                record["note"] = f"{ref_device} reference failed ({type(exc).__name__}: {exc}): CPU used"
-        session.references[family] = reference
-        if any(c.family == family and c.dtype == "bfloat16" for c in cells):
-            record["hf_bfloat16"] = hf_bfloat16_floor(session, family, ref_dir, reference, record["device"])
-        session.reference_dirs[family] = ref_dir
-        session.reference_devices[family] = record["device"]
-        record["seconds"] = round(time.perf_counter() - began, 2)
-        record["layer_mixup"] = mixup_metrics(reference)
-        session.info.setdefault("references", {})[family] = record
-        print(f"[gpu_cells] {session.elapsed():6.1f}s model + HF reference for {family}: {record}", flush=True)
+        session.models[family] = build_model(family, session.work / "models" / family)
+        print(f"[gpu_cells] {session.elapsed():6.1f}s model {family} ({time.perf_counter() - began:.1f} s)", flush=True)
+
+
+def prepare_next_reference(session: Session) -> bool:
+    """The next family without an HF reference gets one; False when every family has one."""
+    for family in session.models:
+        if family not in session.references:
+            prepare_reference(session, family)
+            return True
+    return False
+
+
+def prepare_reference(session: Session, family: str) -> None:
+    """The HF reference of ``family``. With a GPU reference, the CPU reference (what
+    tests/test_engine.py uses) is computed too, as a cross-check: the GPU one is used only if it
+    ran and agrees with it to REF_AGREEMENT; otherwise the CPU one is. A quantized family's
+    reference runs on its dequantized twin (the weights the kernels see)."""
+    began = time.perf_counter()
+    ref_device = session.args.ref_device
+    model = session.models[family]
+    marker = json.loads((model / "tiny_model_build.json").read_text())
+    record: dict[str, Any] = {"device": "cpu", "quantization": marker.get("quantization")}
+    ref_dir, cpu_ref, note = reference_for(session, family, model)
+    record["reference_dir"] = str(ref_dir)
+    if note:
+        record["reference_note"] = note
+    reference = cpu_ref
+    if ref_device != "cpu":
+        try:
+            gpu_ref = hf_layer_outputs_on(ref_dir, session.prompts, LAYER_IDS, ref_device)
+            agreement = fp32_metric(gpu_ref, cpu_ref)["max_rel_diff"]
+            record[f"{ref_device}_vs_cpu_max_rel_diff"] = agreement
+            if agreement <= REF_AGREEMENT:
+                reference, record["device"] = gpu_ref, ref_device
+            else:
+                record["note"] = f"{ref_device} reference differs from CPU by {agreement:.2e}: CPU used"
+        except Exception as exc:  # noqa: BLE001 - fall back to the CPU reference, say why
+            record["note"] = f"{ref_device} reference failed ({type(exc).__name__}: {exc}): CPU used"
+    if family in session.bfloat16_families:
+        record["hf_bfloat16"] = hf_bfloat16_floor(session, family, ref_dir, reference, record["device"])
+    session.references[family] = reference
+    session.reference_dirs[family] = ref_dir
+    session.reference_devices[family] = record["device"]
+    record["seconds"] = round(time.perf_counter() - began, 2)
+    record["layer_mixup"] = mixup_metrics(reference)
+    session.info.setdefault("references", {})[family] = record
+    print(f"[gpu_cells] {session.elapsed():6.1f}s HF reference for {family}: {record}", flush=True)
 
 
 def hf_bfloat16_floor(
@@ -844,6 +865,7 @@ def schedule(
     start: Callable[[Cell, float | None], Running],
     finish: Callable[[Running, bool], None],
     poll_s: float = 0.5,
+    idle: Callable[[], bool] | None = None,
 ) -> None:
     """Run the cells in order. The first ``--serial-first`` cells run alone (clean timings, the
     generator's default memory share); after them up to ``--jobs`` at a time, the GPU memory
@@ -876,7 +898,8 @@ def schedule(
             gpu_util = None if limit <= 1 else round(args.gpu_util_total / limit, 2)
             running.append(start(pending.pop(0), gpu_util))
             started_count += 1
-        if pending or running:
+        # Work left for the parent (HF references) is done while the cells' engines start.
+        if (pending or running) and (idle is None or not idle()):
             time.sleep(poll_s)
 
 
@@ -929,7 +952,10 @@ def run(args: argparse.Namespace) -> int:
         cells,
         start=lambda cell, util: start_cell(session, cell, util),
         finish=lambda run_, timed_out: finish_cell(session, run_, timed_out),
+        idle=lambda: prepare_next_reference(session),
     )
+    while prepare_next_reference(session):  # families whose cells all failed: references still recorded
+        pass
     session.write()
     print_table(session)
     bad = [c for c in session.cells if c["status"] not in ("pass", "skipped", "not-run")]
