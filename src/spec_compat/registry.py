@@ -19,6 +19,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from .adapters import (
+    cpu_kernels,
     driver_calls,
     executor,
     executor_failures,
@@ -287,6 +288,20 @@ ADAPTERS: tuple[Adapter, ...] = (
         delete_when="speculators stops passing eos_token_id",
         probe=driver_calls.probe_request_kwargs,
         apply=driver_calls.apply_request_kwargs,
+    ),
+    Adapter(
+        id="cpu-rms-norm-strided",
+        side="driver",
+        patches="vllm_hidden_states_generator.VllmConfig (keyword compilation_config: custom op rms_norm off)",
+        why="vLLM alone computes Qwen3 wrong on CPU (prompt log-probs 3.93 off HF, hidden states 1.5 rel): "
+        "its C++ rms_norm kernel reads the q/k norms' strided per-head views as if contiguous",
+        vllm_change="0.12.0 / 0.13.0 on CPU: an enabled RMSNorm runs forward_cpu -> forward_cuda -> _C.rms_norm "
+        "(0.14.1 made forward_cpu the native path)",
+        detect="platform cpu and RMSNorm.forward_cpu differs from forward_native on a strided [tokens, heads, "
+        "head_dim] view",
+        delete_when="vLLM 0.13 is no longer supported",
+        probe=cpu_kernels.probe_cpu_rms_norm_strided,
+        apply=cpu_kernels.apply_cpu_rms_norm_strided,
     ),
     Adapter(
         id="executor",

@@ -1,0 +1,83 @@
+"""vLLM CPU kernels that compute wrong on the inputs speculators' engine gives them.
+
+cpu-rms-norm-strided: vLLM 0.12.0 / 0.13.0 route an enabled ``RMSNorm`` on CPU through
+``CustomOp.forward_cpu`` -> ``forward_cuda`` -> the C++ ``_C.rms_norm`` kernel, and that kernel reads
+its input as if it were contiguous. Qwen3's per-head q/k norms hand it a strided view of the fused
+qkv projection (``q.view(tokens, heads, head_dim)``), so every attention layer gets wrong queries and
+keys: vLLM alone disagrees with HF (tiny Qwen3, prompt log-probs 3.93 off), no error anywhere.
+0.14.1 made ``forward_cpu`` the PyTorch-native path. With ``rms_norm`` disabled as a custom op the
+same engine matches HF (7.2e-6). The probe runs the layer both ways on a strided view, so it follows
+the kernel and the dispatch, not a version number; the fix is one ``custom_ops`` entry in the
+``VllmConfig`` speculators builds, so other engines in the process are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+from ..calls import KeywordPlan
+from ..options import Context
+from ..patching import Patcher
+from .driver_calls import install_call_adapter
+from .probe import Probe
+
+DISABLE_RMS_NORM = "-rms_norm"
+
+
+def rms_norm_strided_error() -> float:
+    """Max |forward_cpu - forward_native| of vLLM's RMSNorm on a strided [tokens, heads, dim] view."""
+    import torch
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, heads, head_dim = 5, 4, 32
+    fused = torch.randn(tokens, 2 * heads * head_dim, generator=generator)
+    strided = fused[:, : heads * head_dim].view(tokens, heads, head_dim)  # as Qwen3's q_norm sees q
+    with _vllm_config_scope():  # newer releases build a CustomOp only inside one
+        layer: Any = RMSNorm(head_dim, eps=1e-6)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(head_dim, generator=generator) + 0.5)
+        return float((layer.forward_cpu(strided) - layer.forward_native(strided)).abs().max())
+
+
+def _vllm_config_scope() -> contextlib.AbstractContextManager[Any]:
+    import vllm.config as config
+
+    if not hasattr(config, "set_current_vllm_config"):
+        return contextlib.nullcontext()
+    return config.set_current_vllm_config(config.VllmConfig())
+
+
+def probe_cpu_rms_norm_strided(ctx: Context) -> Probe:
+    if ctx.env.platform != "cpu":
+        return Probe(False, f"platform {ctx.env.platform!r}: the device kernel honours strides")
+    try:
+        error = rms_norm_strided_error()
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot run must not stop apply()
+        return Probe(False, f"could not run vLLM's RMSNorm on CPU ({type(exc).__name__}: {exc})")
+    if error <= 1e-4:
+        return Probe(False, f"RMSNorm on CPU matches its native path on a strided view ({error:.1e})")
+    return Probe(
+        True, f"RMSNorm's CPU kernel is wrong on a strided view (max diff {error:.2f}); Qwen3's q/k norms get one"
+    )
+
+
+def with_rms_norm_disabled(kwargs: dict[str, Any]) -> Any:
+    """The compilation config speculators passes (or vLLM's default), with rms_norm off as a custom op."""
+    from vllm.config import CompilationConfig
+
+    given = kwargs.get("compilation_config")
+    if given is None:
+        return CompilationConfig(custom_ops=[DISABLE_RMS_NORM])
+    if isinstance(given, dict):
+        return {**given, "custom_ops": [*given.get("custom_ops", []), DISABLE_RMS_NORM]}
+    updated = copy.deepcopy(given)  # speculators' object stays as it was
+    updated.custom_ops = [*given.custom_ops, DISABLE_RMS_NORM]
+    return updated
+
+
+def apply_cpu_rms_norm_strided(ctx: Context, patcher: Patcher) -> None:
+    plan = KeywordPlan(override={"compilation_config": with_rms_norm_disabled})
+    install_call_adapter(ctx, patcher, "cpu-rms-norm-strided", "VllmConfig", plan)
