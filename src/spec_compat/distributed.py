@@ -614,7 +614,10 @@ def _say(text: str) -> None:
 
 def _init_ray(ray: Any, address: str | None, replicas: int, tp: int) -> None:
     if address is not None:
-        ray.init(address=address, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ExtractError(f"--ray-address {address}: cannot join the Ray cluster ({_one_line(exc)})") from None
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
