@@ -711,7 +711,8 @@ def run_distributed(
     _write_json_atomic(config.output / STATS, stats)
     print(
         f"spec-compat extract: {stats['samples']} samples, {job.done_tokens:,} tokens in {extract_s:.1f} s "
-        f"({stats['tokens_per_s'] or 0:,.0f} tok/s over {replicas} replicas; from the first replica ready)",
+        f"({stats['tokens_per_s'] or 0:,.0f} tok/s over {replicas} replica{'s' if replicas != 1 else ''}; "
+        "from the first replica ready)",
         file=sys.stderr,
     )
     return 1 if job.failures or bad else 0
