@@ -252,6 +252,11 @@ WRAPPER_FAMILIES: dict[str, WrapperFamily] = {
                 "pos_emb_height": 4,
                 "pos_emb_width": 4,
                 "pos_emb_time": 1,
+                # The original checkpoints' names: vLLM <= 0.22.1 reads only these (64 x 64 otherwise),
+                # newer releases read them first.
+                "init_pos_emb_height": 4,
+                "init_pos_emb_width": 4,
+                "init_pos_emb_time": 1,
                 "num_attention_heads": 2,
                 "num_hidden_layers": 1,
                 "hidden_size": 32,

