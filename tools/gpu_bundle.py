@@ -144,7 +144,8 @@ NOT_CARRIED: dict[str, str] = {
     "nvidia-cutlass-dsl": "optional kernels",
     "quack-kernels": "optional kernels",
     "tokenspeed-mla": "optional kernels",
-    "humming-kernels": "optional kernels",
+    "humming-kernels": "imported by vLLM 0.22.1's quantization registry for any quantized checkpoint: carried "
+    "beside the bundle in build/gpu_extra/ with pyelftools (tools/GPU.md, quantized cells)",
     "opentelemetry-sdk": "tracing, imported only when OTLP tracing is configured",
     "opentelemetry-exporter-otlp": "tracing, imported only when OTLP tracing is configured",
     "opentelemetry-semantic-conventions-ai": "tracing, imported only when OTLP tracing is configured",

@@ -117,6 +117,14 @@ PYCODE
   say "installed into $SITE, $SITE_SPEC_04, $SITE_SPEC_03"
 fi
 
+# 4b. wheels carried beside the bundle (build/gpu_extra/, e.g. humming-kernels + pyelftools, which
+#     vLLM 0.22.1's quantization registry imports for any quantized checkpoint), added on every call
+if compgen -G "$REPO/build/gpu_extra/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --upgrade --target "$SITE" "$REPO"/build/gpu_extra/*.whl
+  say "added $(ls "$REPO"/build/gpu_extra/*.whl | xargs -n1 basename | tr '\n' ' ')"
+fi
+
 # 5. spec_compat from this repository: src/ on PYTHONPATH, plus a dist-info in $SITE that carries
 #    its entry points (vllm.general_plugins), generated from pyproject.toml.
 "$PY" - "$REPO" "$SITE" <<'PYCODE'
