@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,15 @@ def record_figure(name: str, values: dict[str, Any]) -> None:
     path = Path(os.environ.get("SPEC_COMPAT_FIGURES", CACHE / "figures.jsonl"))
     with path.open("a") as handle:
         handle.write(json.dumps({"cell": name, **values}) + "\n")
+
+
+def process_group_gone(pgid: int, wait_s: float = 30.0) -> bool:
+    """Whether every process of group ``pgid`` has exited within ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_harness import model_dir, require_speculators
+from engine_harness import model_dir, process_group_gone, require_speculators
 
 pytestmark = pytest.mark.engine
 LAYERS = "2,0,3"
@@ -226,17 +226,6 @@ def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
     return samples
 
 
-def _group_gone(pgid: int, wait_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_full_disk_is_one_line_keeps_what_is_done_and_a_rerun_completes(
     full_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -296,7 +285,7 @@ def test_signal_stops_within_seconds_leaves_a_consistent_output_and_a_rerun_fini
     to_exit = time.monotonic() - sent
     assert proc.returncode == 128 + signum, stderr[-3000:]
     assert f"interrupted by {signum.name}" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert _group_gone(proc.pid), "a worker process outlived the interrupted extract"
+    assert process_group_gone(proc.pid), "a worker process outlived the interrupted extract"
     kept = _listed_files_verify(out)
     assert 4 <= len(kept) < 60
     print(f"{signum.name}: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_harness import model_dir, require_speculators
+from engine_harness import model_dir, process_group_gone, require_speculators
 from tiny_models import hf_layer_outputs
 
 pytest.importorskip("ray")
@@ -79,17 +79,6 @@ def _exactly_once(out: Path, reference: Path) -> None:
     assert sorted(p.name for p in out.glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(SAMPLES))
     different = [k for k in expected if listed[k]["sha256"] != expected[k]["sha256"]]
     assert not different, f"files differ from the single-process run's: {different[:10]}"
-
-
-def _group_gone(pgid: int, wait_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +169,7 @@ def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["replicas"][int(first)]["restarts"] == 1
     assert sum(r["samples"] for r in stats["replicas"]) == SAMPLES
-    assert _group_gone(proc.pid), "a process of the job outlived it"
+    assert process_group_gone(proc.pid), "a process of the job outlived it"
     print(f"killed workers {killed}; per replica: {[(r['batches'], r['engine_start_s']) for r in stats['replicas']]}")
 
 
@@ -208,7 +197,7 @@ def test_interrupted_job_stops_cleanly_and_a_rerun_finishes_the_rest(
     stderr = log.read_text()
     assert proc.returncode == 128 + signal.SIGINT, stderr[-4000:]
     assert "interrupted by SIGINT" in stderr and "Traceback" not in stderr, stderr[-4000:]
-    assert _group_gone(proc.pid), "a replica or vLLM worker outlived the interrupted job"
+    assert process_group_gone(proc.pid), "a replica or vLLM worker outlived the interrupted job"
     kept = _listed(out)
     assert 8 <= len(kept) < SAMPLES
     mtimes = {k: (out / str(v["file"])).stat().st_mtime_ns for k, v in kept.items()}
