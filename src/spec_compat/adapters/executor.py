@@ -49,6 +49,7 @@ from . import (
 from .executor_switches import EXECUTORS, ExecutorSwitches, register_installer, switch_on
 from .probe import Probe
 from .speculators_code import generator_module
+from .unit import Adapter
 
 _SUBCLASSES: dict[type, type] = {}
 _OWN_RPC_TIME = timing.OwnTime("own:executor-rpc")
@@ -224,3 +225,18 @@ def probe_worker_adapters(ctx: Context) -> Probe:
 
 
 apply_worker_adapters = switch_on("executor", "worker_options_json", lambda ctx: ctx.options.to_json())
+
+
+EXECUTOR = Adapter(
+    id="executor",
+    side="driver",
+    patches="vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the "
+    "adapters below)",
+    why="the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker "
+    "errors are adapted",
+    vllm_change="see the executor-* adapters",
+    detect="always",
+    delete_when="the last executor-* adapter is deleted",
+    probe=probe_worker_adapters,
+    apply=apply_worker_adapters,
+)

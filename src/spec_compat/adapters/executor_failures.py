@@ -18,6 +18,7 @@ from ..errors import WorkerError
 from ..options import Context
 from .executor_switches import switch_on
 from .probe import Probe
+from .unit import Adapter
 
 DRAIN_TIMEOUT_S = 60.0
 
@@ -89,3 +90,16 @@ def probe_all_ranks_reply(ctx: Context) -> Probe:
 
 
 apply_all_ranks_reply = switch_on("executor-all-ranks-reply", "all_ranks_reply")
+
+
+EXECUTOR_ALL_RANKS_REPLY = Adapter(
+    id="executor-all-ranks-reply",
+    side="driver",
+    patches="MultiprocExecutor.collective_rpc for speculators' worker methods",
+    why="with unique_reply_rank=k an exception on another rank is only logged in that worker",
+    vllm_change="all releases (vLLM #23985)",
+    detect="always",
+    delete_when="vLLM reports failures from every rank",
+    probe=probe_all_ranks_reply,
+    apply=apply_all_ranks_reply,
+)

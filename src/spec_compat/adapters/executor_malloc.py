@@ -12,6 +12,7 @@ import sys
 from ..options import Context
 from .executor_switches import switch_on
 from .probe import Probe
+from .unit import Adapter
 
 # Keep freed memory in the worker's heap instead of returning it to the kernel after every call.
 WORKER_MALLOC_ENV = (
@@ -43,3 +44,18 @@ def probe_worker_malloc(ctx: Context) -> Probe:
 
 
 apply_worker_malloc = switch_on("worker-malloc-retain", "worker_malloc_env", WORKER_MALLOC_ENV)
+
+
+WORKER_MALLOC_RETAIN = Adapter(
+    id="worker-malloc-retain",
+    side="driver",
+    patches="environment of the worker processes spec_compat's executor starts (MALLOC_MMAP_THRESHOLD_, "
+    "MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; each only if unset)",
+    why="throughput on CPU MoE TP=2 was 0.8x vLLM's own LLM.generate: page faults after glibc returns the "
+    "capture copies' memory to the kernel (benchmarks #5, docs/benchmarks.md section 3)",
+    vllm_change="none: speculators' worker-side capture copies on the CPU platform",
+    detect="platform is cpu (captures in host memory) and the variables are not all set by the user",
+    delete_when="speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc",
+    probe=probe_worker_malloc,
+    apply=apply_worker_malloc,
+)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+
 from ..options import Context
 from . import speculators_code
 from .executor_switches import switch_on
 from .probe import Probe
+from .unit import Adapter
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -45,6 +48,21 @@ def probe_reply_shape(ctx: Context) -> Probe:
 apply_reply_shape = switch_on("executor-reply-shape", "reply_as_list")
 
 
+EXECUTOR_REPLY_SHAPE = Adapter(
+    id="executor-reply-shape",
+    side="driver",
+    patches="MultiprocExecutor.collective_rpc(unique_reply_rank=k) result",
+    why="0.3.0 indexes [0] on the reply, now the first layer's tensor ('Boolean value of Tensor ... is "
+    "ambiguous'); the 771 x [512] corruption in the user's story",
+    vllm_change="0.11.2 returns the bare rank-k result instead of [result]",
+    detect="AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator",
+    delete_when="speculators 0.3.0 is no longer supported",
+    probe=probe_reply_shape,
+    apply=apply_reply_shape,
+    # every release: the probe also finds the reverse mismatch (0.4.x on vLLM <= 0.11.0, blocking)
+)
+
+
 # ---- execute_model() + sample_tokens() split (vLLM 0.11.2) -----------------------------------------
 
 
@@ -60,6 +78,20 @@ def probe_sample_tokens(ctx: Context) -> Probe:
 
 
 apply_sample_tokens = switch_on("executor-sample-tokens", "sample_after_execute")
+
+
+EXECUTOR_SAMPLE_TOKENS = Adapter(
+    id="executor-sample-tokens",
+    side="driver",
+    patches="MultiprocExecutor.execute_model (calls sample_tokens(None) when execute_model returns None)",
+    why="'State error: sample_tokens() must be called after execute_model() returns None.'",
+    vllm_change="0.11.2 split execute_model / sample_tokens",
+    detect="hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it",
+    delete_when="speculators 0.3.0 is no longer supported",
+    probe=probe_sample_tokens,
+    apply=apply_sample_tokens,
+    speculators=SpecifierSet("<0.4"),
+)
 
 
 # ---- KV cache layout (vLLM 0.29.0) -----------------------------------------------------------------
@@ -89,6 +121,19 @@ def probe_kv_layout(ctx: Context) -> Probe:
 apply_kv_layout = switch_on("executor-kv-layout", "resolve_kv_layout")
 
 
+EXECUTOR_KV_LAYOUT = Adapter(
+    id="executor-kv-layout",
+    side="driver",
+    patches="MultiprocExecutor.__init__ (resolve and publish the KV cache layout)",
+    why="workers fail allocating the KV cache: layout never resolved",
+    vllm_change="0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)",
+    detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
+    delete_when="the layout is resolved inside initialize_from_config",
+    probe=probe_kv_layout,
+    apply=apply_kv_layout,
+)
+
+
 # ---- Model Runner V2 has no input_batch (default from 0.22.1 on GPU) ----------------------------------
 
 
@@ -114,3 +159,17 @@ def probe_v1_model_runner(ctx: Context) -> Probe:
 
 
 apply_v1_model_runner = switch_on("executor-model-runner-v1", "force_v1_model_runner")
+
+
+EXECUTOR_MODEL_RUNNER_V1 = Adapter(
+    id="executor-model-runner-v1",
+    side="driver",
+    patches="VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)",
+    why="speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices "
+    "captures in V1 batch order, V2 sorts the batch by token count (silently wrong)",
+    vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
+    detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
+    delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
+    probe=probe_v1_model_runner,
+    apply=apply_v1_model_runner,
+)

@@ -16,6 +16,7 @@ from .. import timing, transfer
 from ..options import Context
 from .executor_switches import switch_on
 from .probe import Probe
+from .unit import Adapter
 
 logger = logging.getLogger("spec_compat.executor")
 STATE_REPLIES = (transfer.SharedStates, transfer.InlineStates)
@@ -55,3 +56,18 @@ def probe_shared_memory_replies(ctx: Context) -> Probe:
 
 
 apply_shared_memory_replies = switch_on("executor-shared-memory-replies", "shared_memory_replies")
+
+
+EXECUTOR_SHARED_MEMORY_REPLIES = Adapter(
+    id="executor-shared-memory-replies",
+    side="driver",
+    patches="MultiprocExecutor.__init__ / collective_rpc / shutdown (a transfer directory for the workers; "
+    "descriptors in speculators' replies become tensors over shared memory)",
+    why="see captured-states-shared-memory: the driver maps the segment instead of unpickling 192 tensors, "
+    "and skips its CPU NaN/Inf scan when the worker checked on the device",
+    vllm_change="none: all releases send RPC replies by pickling them",
+    detect="POSIX flock and mmap (Linux, macOS)",
+    delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
+    probe=probe_shared_memory_replies,
+    apply=apply_shared_memory_replies,
+)

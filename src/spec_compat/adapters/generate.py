@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import wrapt
+from packaging.specifiers import SpecifierSet
 
 from ..contract import check_results
 from ..errors import IncompatibleError
@@ -24,6 +25,7 @@ from ..timing import OwnTime
 from . import speculators_code
 from .probe import Probe
 from .speculators_code import generator_module
+from .unit import Adapter
 
 GeneratorMethod = Callable[..., Any]
 
@@ -149,6 +151,19 @@ def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
     wrap_method(ctx, patcher, "input-validation", "generate", make)
 
 
+INPUT_VALIDATION = Adapter(
+    id="input-validation",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.generate (input checks before vLLM is touched)",
+    why="empty, negative, non-integer or out-of-vocabulary ids fail deep inside the engine or not at all",
+    vllm_change="none: a guard",
+    detect="always",
+    delete_when="never",
+    probe=probe_input_validation,
+    apply=apply_input_validation,
+)
+
+
 # ---- layer ids ------------------------------------------------------------------------------------------
 # Both speculators versions keep layer ids in a frozenset and capture in model order: duplicates
 # come back once and an unsorted list comes back sorted, so hidden_states[k] would silently not be
@@ -226,6 +241,21 @@ def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
     wrap_method(ctx, patcher, "layer-ids", "generate", make_generate)
 
 
+LAYER_IDS = Adapter(
+    id="layer-ids",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.__init__ and _create_vllm_config (reject duplicates, given or "
+    "speculators' default, before the weights load) and generate (requested layer order)",
+    why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k]; "
+    "speculators' default for a model under 8 layers repeats ids (6 layers: [2, 3, 3, 5])",
+    vllm_change="none: speculators keeps layer ids in a frozenset",
+    detect="always",
+    delete_when="speculators validates and orders layer ids",
+    probe=probe_layer_ids,
+    apply=apply_layer_ids,
+)
+
+
 # ---- results in input order (speculators 0.4.x sorts request ids as strings) ---------------------------
 
 
@@ -283,6 +313,20 @@ def apply_input_order(ctx: Context, patcher: Patcher) -> None:
     wrap_method(ctx, patcher, "input-order", "generate", make)
 
 
+INPUT_ORDER = Adapter(
+    id="input-order",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.generate (results back in input order)",
+    why="results come back in sorted(request_id) order: 'req_0_10' < 'req_0_2', batches of 11+ permuted",
+    vllm_change="none: speculators 0.4.x bug (speculators PR #365)",
+    detect="AST: generate() iterates sorted(...)",
+    delete_when="speculators returns results in input order",
+    probe=probe_input_order,
+    apply=apply_input_order,
+    speculators=SpecifierSet(">=0.4,<0.5"),
+)
+
+
 # ---- batches larger than the scheduler's sequence limit ----------------------------------------------
 # speculators never reports model outputs to the scheduler (no update_from_output), so a request
 # that finished its prefill is never finished: it keeps one of the max_num_seqs (32) running slots
@@ -310,6 +354,21 @@ def apply_sequence_limit(ctx: Context, patcher: Patcher) -> None:
         return generate
 
     wrap_method(ctx, patcher, "sequence-limit", "generate", make)
+
+
+SEQUENCE_LIMIT = Adapter(
+    id="sequence-limit",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.generate (sub-batches of at most max_num_seqs inputs)",
+    why="requests beyond max_num_seqs (32) are never scheduled: 'Request req_0_32 not found in captured "
+    "states' for a batch of 48",
+    vllm_change="none: speculators never calls scheduler.update_from_output, so prefilled requests keep "
+    "their running slot (found on the H200 with a 48-prompt batch)",
+    detect="AST: generate() does not call update_from_output",
+    delete_when="speculators frees finished requests or splits batches itself",
+    probe=probe_sequence_limit,
+    apply=apply_sequence_limit,
+)
 
 
 # ---- speculators 0.3.0: one scheduler step per call --------------------------------------------------
@@ -404,6 +463,21 @@ def apply_single_step(ctx: Context, patcher: Patcher) -> None:
     wrap_method(ctx, patcher, "single-step-batches", "generate", make)
 
 
+SINGLE_STEP_BATCHES = Adapter(
+    id="single-step-batches",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.generate (sub-batches of one scheduler step, verified)",
+    why="0.3.0 aborts requests after their first chunk and slices by input offsets: chunked prefill or a "
+    "reordered batch gives wrong states silently",
+    vllm_change="none: speculators 0.3.0 logic (fixed in 0.4 by speculators #283)",
+    detect="AST: generate() calls finish_requests and slices by offset",
+    delete_when="speculators 0.3.0 is no longer supported",
+    probe=probe_single_step,
+    apply=apply_single_step,
+    speculators=SpecifierSet("<0.4"),
+)
+
+
 def _verify_worker_order(generator: Any) -> None:
     """The worker's batch order for each capture must be the scheduler's (input) order."""
     try:
@@ -473,3 +547,16 @@ def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
         return generate
 
     wrap_method(ctx, patcher, "results-contract", "generate", make)
+
+
+RESULTS_CONTRACT = Adapter(
+    id="results-contract",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.generate (output contract check)",
+    why="wrong shapes or orders must never pass silently (771 x [512] instead of 4 x [771, 7168])",
+    vllm_change="none: a guard",
+    detect="apply(check_results=True), the default",
+    delete_when="never",
+    probe=probe_results_contract,
+    apply=apply_results_contract,
+)

@@ -28,6 +28,7 @@ from ..options import Context
 from ..patching import Patcher
 from .probe import Probe
 from .speculators_code import generator_module
+from .unit import Adapter
 
 ADAPTER_ID = "shutdown-at-exit"
 logger = logging.getLogger("spec_compat.lifecycle")
@@ -99,3 +100,20 @@ def apply_shutdown_at_exit(ctx: Context, patcher: Patcher) -> None:
         __del__.spec_compat_adapter = ADAPTER_ID  # type: ignore[attr-defined]
         patcher.replace(ADAPTER_ID, cls, "__del__", __del__)
     patcher.replace(ADAPTER_ID, ExitState, "enabled", True)
+
+
+SHUTDOWN_AT_EXIT = Adapter(
+    id=ADAPTER_ID,
+    side="driver",
+    patches="VllmHiddenStatesGenerator.__init__ (each generator tracked by a weak reference), "
+    "VllmHiddenStatesGenerator.__del__ (nothing left to do once shut down at exit); an atexit handler, "
+    "registered at the first generator, that shuts down the live generators' executors",
+    why="every run ended with `Exception ignored in: <function VllmHiddenStatesGenerator.__del__> ... "
+    "AttributeError: 'NoneType' object has no attribute 'warning'`: __del__ shut the engine down during "
+    "interpreter teardown, when module globals (the executor's, speculators' `log`) were already None",
+    vllm_change="none: speculators shuts its engine down only from __del__ (0.3.0 and 0.4.x)",
+    detect="always (the reason says whether the generator class defines __del__)",
+    delete_when="speculators shuts the engine down itself (a close() / context manager, or its own atexit)",
+    probe=probe_shutdown_at_exit,
+    apply=apply_shutdown_at_exit,
+)

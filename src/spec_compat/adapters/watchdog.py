@@ -44,6 +44,7 @@ from ..patching import Patcher
 from .executor_switches import switch_on
 from .generate import GeneratorMethod, wrap_method
 from .probe import Probe
+from .unit import Adapter
 
 logger = logging.getLogger("spec_compat.executor")
 
@@ -213,6 +214,22 @@ def apply_worker_stack_dump(ctx: Context, patcher: Patcher) -> None:
     patcher.on_revert("worker-stack-dump", f"faulthandler.register(SIGUSR2, {path})", undo)
 
 
+WORKER_STACK_DUMP = Adapter(
+    id="worker-stack-dump",
+    side="worker-process",
+    patches="faulthandler.register(SIGUSR2, <watchdog dir>/<pid>.stack, all_threads=True), in spec_compat's "
+    "worker processes only",
+    why="a rank that never answers must say where it is stuck: the driver's hang report (WorkerTimeout) "
+    "carries every thread's Python stack of each silent rank, taken at the deadline",
+    vllm_change="none: vLLM workers have no stack-dump hook (a stuck rank is silent on every release)",
+    detect="SIGUSR2 and faulthandler.register exist; the driver's executor set SPEC_COMPAT_WATCHDOG_DIR "
+    "(executor-rpc-deadline)",
+    delete_when="vLLM reports stuck workers' stacks itself",
+    probe=probe_worker_stack_dump,
+    apply=apply_worker_stack_dump,
+)
+
+
 # ---- driver side: the executor's deadline -----------------------------------------------------------
 
 
@@ -234,6 +251,24 @@ def probe_rpc_deadline(ctx: Context) -> Probe:
 
 
 apply_rpc_deadline = switch_on("executor-rpc-deadline", "rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s)
+
+
+EXECUTOR_RPC_DEADLINE = Adapter(
+    id="executor-rpc-deadline",
+    side="driver",
+    patches="MultiprocExecutor.__init__ / collective_rpc / shutdown (timeout= on generate()'s model steps "
+    "and speculators' worker RPCs; replies counted per rank; a timeout becomes WorkerTimeout with the "
+    "silent ranks' stacks and process states, then the engine is shut down; later calls raise EngineStopped)",
+    why="speculators' RPCs pass no timeout: a rank blocked forever (tried: rank 1 inside "
+    "_get_captured_states, TP=2) left generate() waiting with no output for as long as one waited "
+    "(issue 14); vLLM's own model-step deadline (300 s) is too short for a first step without warm-up "
+    "and its TimeoutError names no rank",
+    vllm_change="none: every release's collective_rpc(timeout=) defaults to None for callers that pass none",
+    detect="collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)",
+    delete_when="vLLM gives every worker RPC a deadline and reports the stuck ranks",
+    probe=probe_rpc_deadline,
+    apply=apply_rpc_deadline,
+)
 
 
 def with_deadline(executor: Any, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
@@ -406,3 +441,18 @@ def apply_signal_shutdown(ctx: Context, patcher: Patcher) -> None:
         return generate
 
     wrap_method(ctx, patcher, "generate-signal-shutdown", "generate", make)
+
+
+GENERATE_SIGNAL_SHUTDOWN = Adapter(
+    id="generate-signal-shutdown",
+    side="driver",
+    patches="VllmHiddenStatesGenerator.generate (SIGINT/SIGTERM handlers while it runs in the main thread, "
+    "where the caller left the defaults; the engine is shut down before KeyboardInterrupt / exit 143)",
+    why="Ctrl-C or SIGTERM in the middle of generate() left the workers mid-call (SIGTERM: the driver "
+    "killed with no cleanup); the user must not need `ps aux` to know whether anything is still running",
+    vllm_change="none: speculators' generator drives the engine itself, outside vLLM's engine-core signal handling",
+    detect="POSIX signals",
+    delete_when="speculators' generator runs on vLLM's LLM / engine core, which handles signals",
+    probe=probe_signal_shutdown,
+    apply=apply_signal_shutdown,
+)

@@ -13,6 +13,7 @@ from itertools import islice
 from typing import Any
 
 import wrapt
+from packaging.specifiers import SpecifierSet
 
 from .. import transfer
 from ..options import Context
@@ -21,6 +22,7 @@ from ..remote_errors import EncodedWorkerException, encode
 from . import speculators_code
 from .probe import Probe
 from .speculators_code import worker_module
+from .unit import Adapter
 
 logger = logging.getLogger("spec_compat.worker")
 
@@ -73,6 +75,19 @@ def apply_loud_worker_errors(ctx: Context, patcher: Patcher) -> None:
     )
 
 
+LOUD_WORKER_ERRORS = Adapter(
+    id="loud-worker-errors",
+    side="worker",
+    patches="every HiddenStatesWorkerExtension method and custom_worker._patched_forward",
+    why="a worker exception reaches the caller as `Worker failed with error ''`: no type, rank or traceback",
+    vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
+    detect="always",
+    delete_when="vLLM transports exception type and traceback from workers",
+    probe=probe_loud_worker_errors,
+    apply=apply_loud_worker_errors,
+)
+
+
 # ---- supports_eagle3 refusal (speculators 0.3.0) ---------------------------------------------------------
 # 0.3.0 refuses any model that does not declare vLLM's SupportsEagle3 interface (Mixtral never
 # does, Qwen3-MoE only from 0.11.2, DeepSeek-V2/V3 from 0.18.1) although its capture only needs a
@@ -95,6 +110,20 @@ def apply_capture_gate(ctx: Context, patcher: Patcher) -> None:
         return bool(original(model)) or (base is not None and hasattr(base, "layers"))
 
     patcher.replace("capture-gate", worker, "supports_eagle3", supports_capture)
+
+
+CAPTURE_GATE = Adapter(
+    id="capture-gate",
+    side="worker",
+    patches="custom_worker.supports_eagle3",
+    why="0.3.0 refuses models without vLLM's SupportsEagle3 interface although capture only needs `layers`",
+    vllm_change="models gained SupportsEagle3 late (Qwen3-MoE 0.11.2, DeepSeek-V2/V3 0.18.1; Mixtral never)",
+    detect="custom_worker defines the name supports_eagle3",
+    delete_when="speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)",
+    probe=probe_capture_gate,
+    apply=apply_capture_gate,
+    speculators=SpecifierSet("<0.4"),
+)
 
 
 # ---- the base model of a multimodal wrapper ----------------------------------------------------------------
@@ -210,6 +239,25 @@ def apply_wrapper_base_model(ctx: Context, patcher: Patcher) -> None:
     patcher.replace("wrapper-base-model", extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
 
 
+WRAPPER_BASE_MODEL = Adapter(
+    id="wrapper-base-model",
+    side="worker",
+    patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",
+    why="capture set-up of a multimodal wrapper fails: AttributeError: 'KimiK25ForConditionalGeneration' "
+    "object has no attribute 'model' (0.3.0 reads model.model; 0.4.x get_language_model().model, whose "
+    "shape differs between releases and models)",
+    vllm_change="none for one release: multimodal wrappers keep their text model as `.language_model` "
+    "(KimiK25ForConditionalGeneration in 0.32.0, Llava-style models), not `.model`; what "
+    "get_language_model() (SupportsMultiModal) returns depends on the release and the model",
+    detect="AST: which of model / get_language_model the set-up reads; at set-up: whether that lookup gives a "
+    "module with `layers`, else the base model found by probing (get_language_model(), then the one child "
+    "holding a decoder stack)",
+    delete_when="speculators finds the base model through vLLM's own interface for every model",
+    probe=probe_wrapper_base_model,
+    apply=apply_wrapper_base_model,
+)
+
+
 # ---- capture set-up checks and the embed-method rename -------------------------------------------------
 # vLLM 0.11.2 renamed get_input_embeddings -> embed_input_ids on base models. The name the
 # installed speculators' forward calls is aliased on the captured model instance only.
@@ -280,6 +328,21 @@ def apply_capture_setup(ctx: Context, patcher: Patcher) -> None:
     patcher.replace("capture-setup", extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
 
 
+CAPTURE_SETUP = Adapter(
+    id="capture-setup",
+    side="worker",
+    patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",
+    why="the embedding method was renamed; Model Runner V2, llama_4_scaling and sequence-parallel MoE "
+    "make speculators' capture wrong or crash later: alias the name, refuse the rest at set-up",
+    vllm_change="0.11.2 get_input_embeddings -> embed_input_ids; 0.12.0 llama_4_scaling (DeepseekV2); "
+    "0.22.1 Model Runner V2 default on GPU; 0.25.1 token-sharded DeepseekV2 layers",
+    detect="AST: which embedding name speculators' forward calls, and whether it reads input_batch",
+    delete_when="speculators' capture forward is replaced by vLLM-native aux hidden-state capture",
+    probe=probe_embed_alias,
+    apply=apply_capture_setup,
+)
+
+
 # ---- extra layer keywords (vLLM 0.15.1: forward(..., **extra_layer_kwargs)) ------------------------------
 # The model's own forward hands extra keywords to every decoder layer; speculators 0.4's capture
 # forward swallows them (0.3.0's rejects them). Bind them to the layers for that one forward.
@@ -321,6 +384,20 @@ def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
                 del layer.forward
 
     patcher.replace("layer-kwargs", worker, "_patched_forward", _patched_forward)
+
+
+LAYER_KWARGS = Adapter(
+    id="layer-kwargs",
+    side="worker",
+    patches="custom_worker._patched_forward",
+    why="the model's forward hands extra keywords to every layer; speculators' capture forward drops "
+    "(0.4) or rejects (0.3) them",
+    vllm_change="0.15.1 LlamaModel.forward(..., **extra_layer_kwargs)",
+    detect="at run time: the forward receives non-None extra keywords",
+    delete_when="speculators' capture forward passes layer keywords through",
+    probe=probe_layer_kwargs,
+    apply=apply_layer_kwargs,
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -368,6 +445,21 @@ def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
     patcher.add("batch-order-log", extension_cls, "_spec_compat_take_batch_log", _spec_compat_take_batch_log)
 
 
+BATCH_ORDER_LOG = Adapter(
+    id="batch-order-log",
+    side="worker",
+    patches="HiddenStatesWorkerExtension._store_captured_states, "
+    "HiddenStatesWorkerExtension._spec_compat_take_batch_log (added)",
+    why="0.3.0 slices captures by input offsets assuming the runner batched requests in input order",
+    vllm_change="none: a latent speculators 0.3.0 assumption, verified instead of trusted",
+    detect="AST: _store_captured_states does not read model_runner.input_batch",
+    delete_when="speculators 0.3.0 is no longer supported",
+    probe=probe_batch_order_log,
+    apply=apply_batch_order_log,
+    speculators=SpecifierSet("<0.4"),
+)
+
+
 # ---- captured states through shared memory (the worker's half of executor-shared-memory-replies) ----------
 
 
@@ -399,3 +491,19 @@ def apply_shared_memory_states(ctx: Context, patcher: Patcher) -> None:
         return transfer.pack(result, pool)
 
     patcher.replace("captured-states-shared-memory", extension_cls, "_get_captured_states", _get_captured_states)
+
+
+CAPTURED_STATES_SHARED_MEMORY = Adapter(
+    id="captured-states-shared-memory",
+    side="worker",
+    patches="HiddenStatesWorkerExtension._get_captured_states (reply through a shared-memory segment)",
+    why="the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message "
+    "queue and the driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 "
+    "(GPU_NOTES 'Turn-2 measurements')",
+    vllm_change="none: all releases send RPC replies by pickling them",
+    detect="the worker defines _get_captured_states; active only in workers whose driver set the transfer "
+    "directory (executor-shared-memory-replies)",
+    delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
+    probe=probe_shared_memory_states,
+    apply=apply_shared_memory_states,
+)

@@ -13,6 +13,7 @@ from ..options import Context
 from ..patching import Patcher
 from ..remote_errors import encode, is_encoded
 from .probe import Probe
+from .unit import Adapter
 from .worker import tp_rank
 
 
@@ -38,3 +39,16 @@ def apply_exception_transport(ctx: Context, patcher: Patcher) -> None:
         return original(self, output)
 
     patcher.replace("worker-exception-transport", WorkerProc, "handle_output", handle_output)
+
+
+WORKER_EXCEPTION_TRANSPORT = Adapter(
+    id="worker-exception-transport",
+    side="worker-process",
+    patches="vllm WorkerProc.handle_output, in spec_compat's worker processes only",
+    why="any worker RPC failure (vLLM's own execute_model included) reaches the caller as str(exc) only",
+    vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
+    detect="WorkerProc defines handle_output",
+    delete_when="vLLM transports exception type and traceback from workers",
+    probe=probe_exception_transport,
+    apply=apply_exception_transport,
+)
