@@ -4,6 +4,7 @@ speculators range is honoured by apply() (an adapter outside it does not apply, 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from spec_compat.adapters.probe import Probe
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
-from spec_compat.registry import ADAPTERS, BY_ID, SUPPORTED_SPECULATORS, Adapter
+from spec_compat.registry import ADAPTERS, BY_ID, SUPPORTED_SPECULATORS, Adapter, AdapterOrderError, ordered
 from spec_compat.versions import parse_version
 
 ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
@@ -23,6 +24,16 @@ ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
 # <helper>(ctx, patcher, id, ...) and switch_on(id, ...).
 PATCHER_METHODS = {"replace", "add", "add_item", "on_revert"}
 ID_POSITIONS = {"set_flag": 2, "wrap_method": 2, "install_call_adapter": 2, "switch_on": 0}
+# The generate() wrappers, innermost first (the order speculators' generate is wrapped in).
+GENERATE_WRAPPERS = (
+    "single-step-batches",
+    "sequence-limit",
+    "input-order",
+    "layer-ids",
+    "results-contract",
+    "input-validation",
+    "generate-signal-shutdown",
+)
 
 
 def _recorded_ids(path: Path) -> list[tuple[int, str]]:
@@ -121,3 +132,42 @@ def test_apply_honours_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not decisions["old-only"].applies and not decisions["old-only"].blocking
     assert decisions["old-only"].reason == "speculators 0.4.0.1 is outside this adapter's range <0.4"
     assert report.applied == ["new-only", "any"] and report.problems == []
+
+
+# ---- order constraints (after= / before=) -------------------------------------------------------------------
+
+
+def _unit(adapter_id: str, side: str = "driver", after: tuple[str, ...] = (), before: tuple[str, ...] = ()) -> Adapter:
+    return replace(BY_ID["layer-ids"], id=adapter_id, side=side, after=after, before=before)  # type: ignore[arg-type]
+
+
+def test_the_registry_satisfies_every_constraint() -> None:
+    position = {adapter.id: k for k, adapter in enumerate(ADAPTERS)}
+    for adapter in ADAPTERS:
+        assert all(position[other] < position[adapter.id] for other in adapter.after), adapter.id
+        assert all(position[other] > position[adapter.id] for other in adapter.before), adapter.id
+
+
+def test_the_generate_wrappers_are_ordered_by_their_constraints_not_by_list_position() -> None:
+    wrappers = [a for a in ADAPTERS if a.id in GENERATE_WRAPPERS]
+    assert [a.id for a in ordered(reversed(wrappers))] == [a.id for a in wrappers] == list(GENERATE_WRAPPERS)
+
+
+def test_a_list_out_of_order_is_sorted_and_otherwise_kept() -> None:
+    units = [_unit("outer", after=("inner",)), _unit("free"), _unit("inner"), _unit("first", before=("free",))]
+    assert [u.id for u in ordered(units)] == ["inner", "outer", "first", "free"]
+
+
+@pytest.mark.parametrize(
+    ("units", "message"),
+    [
+        ([_unit("a", after=("b",)), _unit("b", after=("a",))], "form a cycle: a after ['b'], b after ['a']"),
+        ([_unit("a", before=("b",)), _unit("b", before=("a",))], "form a cycle"),
+        ([_unit("a", after=("missing",))], "a: orders itself against unknown adapter 'missing'"),
+        ([_unit("a", after=("b",)), _unit("b", side="worker")], "sides are applied at different times"),
+        ([_unit("a"), _unit("a")], "adapter ids must be unique"),
+    ],
+)
+def test_a_violated_constraint_is_caught(units: list[Adapter], message: str) -> None:
+    with pytest.raises(AdapterOrderError, match=re.escape(message)):
+        ordered(units)

@@ -161,6 +161,8 @@ INPUT_VALIDATION = Adapter(
     delete_when="never",
     probe=probe_input_validation,
     apply=apply_input_validation,
+    # outside every other generate wrapper: they all take the lists of ints it makes of token_ids
+    after=("single-step-batches", "sequence-limit", "input-order", "layer-ids", "results-contract"),
 )
 
 
@@ -253,6 +255,8 @@ LAYER_IDS = Adapter(
     delete_when="speculators validates and orders layer ids",
     probe=probe_layer_ids,
     apply=apply_layer_ids,
+    # generate: the layers of the whole batch's results, once, after the splitting and reordering wrappers
+    after=("single-step-batches", "sequence-limit", "input-order"),
 )
 
 
@@ -323,6 +327,8 @@ INPUT_ORDER = Adapter(
     delete_when="speculators returns results in input order",
     probe=probe_input_order,
     apply=apply_input_order,
+    # once over the whole batch's results, after the splitting wrappers joined their parts
+    after=("single-step-batches", "sequence-limit"),
     speculators=SpecifierSet(">=0.4,<0.5"),
 )
 
@@ -368,6 +374,8 @@ SEQUENCE_LIMIT = Adapter(
     delete_when="speculators frees finished requests or splits batches itself",
     probe=probe_sequence_limit,
     apply=apply_sequence_limit,
+    # each part that fits the running slots is planned into single steps (0.3.0)
+    after=("single-step-batches",),
 )
 
 
@@ -559,4 +567,6 @@ RESULTS_CONTRACT = Adapter(
     delete_when="never",
     probe=probe_results_contract,
     apply=apply_results_contract,
+    # checks what the caller gets: the whole batch, in input order, layers in the requested order
+    after=("single-step-batches", "sequence-limit", "input-order", "layer-ids"),
 )

@@ -116,4 +116,7 @@ SHUTDOWN_AT_EXIT = Adapter(
     delete_when="speculators shuts the engine down itself (a close() / context manager, or its own atexit)",
     probe=probe_shutdown_at_exit,
     apply=apply_shutdown_at_exit,
+    # outside layer-ids' __init__: a generator is tracked before any check or engine start, so a
+    # half-built generator's workers are shut down too
+    after=("layer-ids",),
 )

@@ -455,4 +455,6 @@ GENERATE_SIGNAL_SHUTDOWN = Adapter(
     delete_when="speculators' generator runs on vLLM's LLM / engine core, which handles signals",
     probe=probe_signal_shutdown,
     apply=apply_signal_shutdown,
+    # outermost: its handlers are in place for the whole call, every other wrapper's work included
+    after=("single-step-batches", "sequence-limit", "input-order", "layer-ids", "results-contract", "input-validation"),
 )

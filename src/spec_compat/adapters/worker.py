@@ -85,6 +85,9 @@ LOUD_WORKER_ERRORS = Adapter(
     delete_when="vLLM transports exception type and traceback from workers",
     probe=probe_loud_worker_errors,
     apply=apply_loud_worker_errors,
+    # wraps the extension's methods and _patched_forward as the other worker adapters left them (it
+    # skips what is already loud, so one applied after it would replace a loud method with a silent one)
+    after=("wrapper-base-model", "capture-setup", "layer-kwargs", "batch-order-log", "captured-states-shared-memory"),
 )
 
 
@@ -340,6 +343,8 @@ CAPTURE_SETUP = Adapter(
     delete_when="speculators' capture forward is replaced by vLLM-native aux hidden-state capture",
     probe=probe_embed_alias,
     apply=apply_capture_setup,
+    # checks (and aliases the embedding on) the base model that wrapper-base-model's set-up captured from
+    after=("wrapper-base-model",),
 )
 
 
