@@ -6,7 +6,9 @@ around one of them (``kimi_k25``: Kimi-K2.5, a vision tower + projector around
 the DeepSeek-V3 text model, its text weights the ``deepseek_v3`` family's own).
 ``qwen3_moe_all_experts`` / ``deepseek_v3_all_experts`` route every token to every expert;
 ``QUANTIZED_FAMILIES`` (GPU kernels only) are a W4A16 (compressed-tensors int4) Qwen3-MoE and a
-block-FP8 DeepSeek-V3, each with its dequantized float32 twin for HF (``reference_model_dir``).
+block-FP8 DeepSeek-V3, each with its dequantized float32 twin for HF (``reference_model_dir``);
+the FP8 twin's HF model also quantizes each projection's input per token and 128-column group
+(``ActivationQuantization``: W8A8, the arithmetic vLLM's block-FP8 kernels do).
 ``build_model`` writes a float32 safetensors
 checkpoint with a byte-level BPE tokenizer that ``AutoTokenizer`` loads
 offline; ``hf_layer_outputs`` gives the HF transformers reference output of
@@ -312,6 +314,10 @@ class QuantizedFamily:
     quantized: str  # regular expression over tensor names
     group_size: int = 128
     block: int = 128
+    # W8A8 schemes: the parameters (HF's names, per-expert or fused) whose linear inputs vLLM's
+    # kernels quantize per token and group of ``block`` columns; HF's reference does the same
+    # (``ActivationQuantization``) so it computes the checkpoint's own arithmetic.
+    activation_inputs: str | None = None
 
 
 # Sizes the GPU kernels take: Marlin MoE needs hidden % 128 == 0 and intermediate (per TP rank)
@@ -336,6 +342,11 @@ QUANTIZED_FAMILIES: dict[str, QuantizedFamily] = {
         # What DeepSeek-V3's checkpoint quantizes: every projection but the router and embeddings.
         quantized=r"\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
         r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$",
+        # The same projections as HF holds them: transformers 5 fuses the experts into
+        # ``experts.gate_up_proj`` / ``experts.down_proj``.
+        activation_inputs=r"\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight"
+        r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj\.weight"
+        r"|mlp\.experts\.(gate_up_proj|down_proj))$",
     ),
 }
 
@@ -404,6 +415,66 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor,
 def dequantize_fp8_blocks(values: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
     expanded = scale_inv.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
     return values.float() * expanded[: values.shape[0], : values.shape[1]]
+
+
+def quantize_activation_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` quantized to float8_e4m3fn and back, per token and group of ``group`` columns, as
+    vLLM's block-FP8 linear and MoE kernels do with their inputs (dynamic per-token-group scales,
+    ``amax / 448``, no power-of-two rounding: run vLLM with ``VLLM_USE_DEEP_GEMM_E8M0=0``)."""
+    columns = x.shape[-1]
+    if columns % group:
+        raise ValueError(f"activation width {columns} is not a multiple of the group size {group}")
+    groups = x.float().reshape(*x.shape[:-1], columns // group, group)
+    scales = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / FP8_E4M3_MAX
+    values = (groups / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (values.float() * scales).reshape(x.shape).to(x.dtype)
+
+
+ACTIVATION_QUANTIZATION_FILE = "activation_quantization.json"  # in a W8A8 family's dequantized twin
+
+
+class ActivationQuantization:
+    """HF's reference for a W8A8 checkpoint: while the model's forward runs, every
+    ``torch.nn.functional.linear`` whose weight is one of ``pattern``'s parameters (by storage, so
+    a fused expert tensor's per-expert slices count) gets its input through
+    ``quantize_activation_groups``. A forward that completes without reaching every such
+    parameter raises: an HF code path that bypasses ``F.linear`` (``grouped_mm`` experts) would
+    otherwise silently give the unquantized reference."""
+
+    def __init__(self, model: torch.nn.Module, pattern: str, group: int) -> None:
+        self.model = model
+        self.pattern = re.compile(pattern)
+        self.group = group
+        self.inner_forward = model.forward
+        if not any(self.pattern.search(name) for name, _ in model.named_parameters()):
+            raise ValueError(f"no parameter of the model matches {pattern!r}")
+
+    def install(self) -> None:
+        self.model.forward = self.forward  # type: ignore[method-assign]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        targets = {
+            p.untyped_storage().data_ptr(): name for name, p in self.model.named_parameters() if self.pattern.search(name)
+        }
+        reached: set[int] = set()
+        linear = torch.nn.functional.linear
+
+        def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            key = weight.untyped_storage().data_ptr()
+            if key in targets:
+                reached.add(key)
+                x = quantize_activation_groups(x, self.group)
+            return linear(x, weight, bias)
+
+        torch.nn.functional.linear = quantized_linear  # type: ignore[assignment]
+        try:
+            output = self.inner_forward(*args, **kwargs)
+        finally:
+            torch.nn.functional.linear = linear
+        missed = sorted(name for key, name in targets.items() if key not in reached)
+        if missed:
+            raise RuntimeError(f"activation quantization never reached {missed[:4]} (of {len(missed)}): not through F.linear")
+        return output
 
 
 def _w4a16_quantization_config(spec: QuantizedFamily) -> dict[str, Any]:
@@ -569,6 +640,7 @@ def _build_hash(family: str, seed: int) -> str:
             "quantized": quantized.quantized,
             "group_size": quantized.group_size,
             "block": quantized.block,
+            "activation_inputs": quantized.activation_inputs,
         }
         return hashlib.sha256(json.dumps(quantized_payload, sort_keys=True).encode()).hexdigest()
     spec = MODEL_FAMILIES[family]
@@ -679,6 +751,10 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
         reference_tmp = reference_dir.with_name(f"{reference_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(reference_tmp, ignore_errors=True)
         marker["quantization"] = _write_quantized(family, seed, tmp_dir, reference_tmp)
+        spec = QUANTIZED_FAMILIES[family]
+        if spec.activation_inputs:
+            activation = {"format": "float8_e4m3fn", "group_size": spec.block, "parameters": spec.activation_inputs}
+            (reference_tmp / ACTIVATION_QUANTIZATION_FILE).write_text(json.dumps(activation, indent=2) + "\n")
         _build_tokenizer().save_pretrained(reference_tmp)
         shutil.rmtree(reference_dir, ignore_errors=True)
         reference_tmp.rename(reference_dir)
@@ -701,7 +777,17 @@ def load_hf_model(model_dir: Path) -> PreTrainedModel:
     image-text-to-text class, transformers' own code, loading the checkpoint's original names)."""
     config = AutoConfig.from_pretrained(model_dir)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    activation_file = Path(model_dir) / ACTIVATION_QUANTIZATION_FILE
+    if not activation_file.is_file():
+        model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+        return model.eval()
+    # A W8A8 checkpoint's twin: the experts through F.linear (transformers 5 would pick grouped_mm),
+    # every quantized projection's input quantized as the checkpoint's kernels do.
+    activation = json.loads(activation_file.read_text())
+    model = auto.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    ActivationQuantization(model, activation["parameters"], activation["group_size"]).install()
     return model.eval()
 
 
