@@ -454,7 +454,9 @@ class ActivationQuantization:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         targets = {
-            p.untyped_storage().data_ptr(): name for name, p in self.model.named_parameters() if self.pattern.search(name)
+            p.untyped_storage().data_ptr(): name
+            for name, p in self.model.named_parameters()
+            if self.pattern.search(name)
         }
         reached: set[int] = set()
         linear = torch.nn.functional.linear
@@ -473,7 +475,9 @@ class ActivationQuantization:
             torch.nn.functional.linear = linear
         missed = sorted(name for key, name in targets.items() if key not in reached)
         if missed:
-            raise RuntimeError(f"activation quantization never reached {missed[:4]} (of {len(missed)}): not through F.linear")
+            raise RuntimeError(
+                f"activation quantization never reached {missed[:4]} (of {len(missed)}): not through F.linear"
+            )
         return output
 
 

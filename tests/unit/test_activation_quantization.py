@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiny_models import (  # noqa: E402
+from tiny_models import (
     ACTIVATION_QUANTIZATION_FILE,
     FP8_E4M3_MAX,
     ActivationQuantization,
