@@ -1,0 +1,73 @@
+"""tools/gpu_cells.py's strict verdict for a cell over the per-token limit: it passes only when
+the outlier report accounts for every outlier token, one by one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from gpu_cells import account_for_outliers, settle_verdict  # noqa: E402
+
+FLOOR = {"rel_l2_max": 0.07, "cosine_min": 0.9975}
+
+
+def row(kind: str | None, rel: float = 0.06, cos: float = 0.998, token: int = 5) -> dict[str, Any]:
+    return {"prompt": 1, "token": token, "kind": kind, "rel_l2_max": rel, "cosine_min": cos, "why": "w"}
+
+
+def report(*rows: dict[str, Any], total: int | None = None, **extra: Any) -> dict[str, Any]:
+    return {"outlier_tokens": len(rows) if total is None else total, "tokens": 754, "per_token": list(rows), **extra}
+
+
+def test_expert_flips_of_any_size_are_accounted() -> None:
+    got = account_for_outliers("bfloat16", None, report(row("expert_flip", 0.9, 0.5), row("flip_through_attention")))
+    assert got["accounted"] and got["by_rule"] == {"expert_flip": 1, "flip_through_attention": 1}
+
+
+def test_rounding_needs_bfloat16_and_the_measured_floor() -> None:
+    inside = row("accumulated_rounding", 0.054, 0.9986)
+    assert account_for_outliers("bfloat16", FLOOR, report(inside))["accounted"]
+    assert not account_for_outliers("bfloat16", None, report(inside))["accounted"]  # no floor measured
+    assert not account_for_outliers("float32", FLOOR, report(inside))["accounted"]  # float32: strict only
+    over_rel = account_for_outliers("bfloat16", FLOOR, report(row("accumulated_rounding", 0.08, 0.999)))
+    over_cos = account_for_outliers("bfloat16", FLOOR, report(row("accumulated_rounding", 0.05, 0.99)))
+    assert not over_rel["accounted"] and not over_cos["accounted"]
+    assert "over the floor" in over_rel["unaccounted"][0]["why"]
+
+
+def test_a_layer_mismatch_fails_among_flips() -> None:
+    got = account_for_outliers("bfloat16", FLOOR, report(row("expert_flip"), row("layer_mismatch", token=9)))
+    assert not got["accounted"]
+    assert got["unaccounted"] == [{"prompt": 1, "token": 9, "kind": "layer_mismatch", "why": "w"}]
+
+
+def test_an_incomplete_report_never_passes() -> None:
+    capped = account_for_outliers("bfloat16", FLOOR, report(row("expert_flip"), total=283))
+    stopped = account_for_outliers("bfloat16", FLOOR, report(row("expert_flip"), stopped="time limit"))
+    failed = account_for_outliers("bfloat16", FLOOR, {"error": "Traceback ..."})
+    assert not any(x["accounted"] for x in (capped, stopped, failed))
+    assert "1 of 283" in capped["why"] and not account_for_outliers("bfloat16", FLOOR, None)["accounted"]
+
+
+def verdict(values_ok: bool, order_ok: bool = True) -> dict[str, Any]:
+    return {"values_ok": values_ok, "input_order_ok": order_ok, "count_ok": True, "problems": False}
+
+
+def test_settle_verdict() -> None:
+    flips = report(row("expert_flip"))
+    ok = verdict(False)
+    settle_verdict(ok, "bfloat16", flips)
+    assert ok["pass"] and ok["outliers"]["accounted"]
+    wrong_order = verdict(False, order_ok=False)
+    settle_verdict(wrong_order, "bfloat16", flips)  # accounted values cannot rescue a wrong order
+    assert not wrong_order["pass"]
+    unexplained = verdict(False)
+    settle_verdict(unexplained, "bfloat16", report(row("layer_mismatch")))
+    assert not unexplained["pass"]
+    within = verdict(True)
+    settle_verdict(within, "float32", None)
+    assert within["pass"] and "outliers" not in within
