@@ -1064,8 +1064,9 @@ def print_table(session: Session) -> None:
 
 
 def rejudge(path: Path) -> int:
-    """Settle the verdict of every cell of an earlier ``gpu_cells.json`` over the limit again with
-    today's rules (``settle_verdict``), from its own outlier report; prints one line per cell."""
+    """Settle the verdict of every cell of an earlier ``gpu_cells.json`` again with today's rules
+    (``settle_verdict``, from the cell's own recorded outlier report; the evidence is unchanged),
+    write it back with a note, and print one line per cell."""
     data = json.loads(path.read_text())
     for cell in data["cells"]:
         verdict = cell.get("verdict")
@@ -1078,10 +1079,15 @@ def rejudge(path: Path) -> int:
         else:
             settle_verdict(verdict, cell["dtype"], cell.get("outlier_report"))
         outliers = verdict.get("outliers", {})
-        print(
-            f"{cell['cell']:44s} {'pass' if verdict['pass'] else 'mismatch':9s} {outliers.get('by_rule', '')} "
-            f"{outliers.get('why', '')}"
-        )
+        cell["status"] = "pass" if verdict["pass"] else "mismatch"
+        print(f"{cell['cell']:44s} {cell['status']:9s} {outliers.get('by_rule', '')} {outliers.get('why', '')}")
+    note = "verdicts settled again by `tools/gpu_cells.py --rejudge` (account_for_outliers) from the recorded evidence"
+    notes = data.setdefault("notes", {})
+    if isinstance(notes, dict):
+        notes["rejudged"] = note
+    elif note not in notes:
+        notes.append(note)
+    path.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
 
