@@ -99,6 +99,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from cell_main import run
+    from cells.cell_main import run
 
     run(main)

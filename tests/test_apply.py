@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import require_speculators
 
-HERE = Path(__file__).resolve().parent
+CELLS = Path(__file__).resolve().parent / "cells"
 
 
 @pytest.mark.parametrize("speculators", ["0.4.0.1", "0.3.0"])
 def test_apply_revert_plan(speculators: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
     proc = subprocess.run(
-        [sys.executable, str(HERE / "apply_checks.py")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(CELLS / "apply_checks.py")], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import CACHE, model_dir, require_speculators
 from tiny_models import CHAT_TEMPLATE, CHAT_TEMPLATE_PLAIN, build_chat_model, hf_layer_outputs
 
-HERE = Path(__file__).resolve().parent
+CELLS = Path(__file__).resolve().parent / "cells"
 WORDS = ["the", "a", "model", "layer", "state", "hidden", "token", "vllm", "draft", "eagle", "speculative"]
 WORDS += ["train", "data", "batch", "worker", "engine"]
 MAX_MODEL_LEN = 96  # the long conversations exceed it: truncation as speculators does it
@@ -86,7 +85,7 @@ def run_cell(tmp: Path, speculators: Path | None, **spec: Any) -> dict[str, Any]
     spec_path, out_path = tmp / "spec.json", tmp / "result.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run(
-        [sys.executable, str(HERE / "conversations_cell.py"), str(spec_path), str(out_path)],
+        [sys.executable, str(CELLS / "conversations_cell.py"), str(spec_path), str(out_path)],
         env=_env(speculators), cwd=tmp / "cwd", capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

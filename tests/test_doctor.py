@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import require_speculators
 
-HERE = Path(__file__).resolve().parent
+CELLS = Path(__file__).resolve().parent / "cells"
 
 
 def _run(args: list[str], speculators: str) -> subprocess.CompletedProcess[str]:
@@ -35,11 +34,11 @@ def test_doctor_compatible(speculators: str) -> None:
 
 
 def test_doctor_incompatible_matches_strict_apply() -> None:
-    proc = _run([str(HERE / "doctor_fixture.py"), "doctor", "--json"], "0.4.0.1")
+    proc = _run([str(CELLS / "doctor_fixture.py"), "doctor", "--json"], "0.4.0.1")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "incompatible"
     failed = [f for f in result["preflight"] if not f["ok"]]
     assert any("sample_tokens" in f["what"] for f in failed), failed
-    strict = _run([str(HERE / "doctor_fixture.py"), "strict"], "0.4.0.1")
+    strict = _run([str(CELLS / "doctor_fixture.py"), "strict"], "0.4.0.1")
     assert strict.returncode == 1 and "IncompatibleError" in strict.stdout and "sample_tokens" in strict.stdout

@@ -13,13 +13,9 @@ discriminates.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import (
     CHUNK_BUDGET,

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import model_dir, process_group_gone, require_speculators
 
 pytestmark = pytest.mark.engine

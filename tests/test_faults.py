@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import model_dir, record_figure, require_speculators
 
 pytestmark = pytest.mark.engine
-HERE = Path(__file__).resolve().parent
+CELLS = Path(__file__).resolve().parent / "cells"
 LIMIT_S = 60
 
 
@@ -29,7 +28,7 @@ def _run(scenario: str, tmp_path: Path, speculators: str = "0.4.0.1") -> dict[st
         VLLM_CPU_OMP_THREADS_BIND="0|1",
     )
     proc = subprocess.run(
-        [sys.executable, str(HERE / "fault_cell.py"), str(model_dir("qwen3_moe")), scenario, str(out)],
+        [sys.executable, str(CELLS / "fault_cell.py"), str(model_dir("qwen3_moe")), scenario, str(out)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import model_dir, record_figure, require_speculators
 
 pytestmark = pytest.mark.engine
-HERE = Path(__file__).resolve().parent
+CELLS = Path(__file__).resolve().parent / "cells"
 RPC_TIMEOUT_S = 8.0
 SLACK_S = 60.0  # a shared 2-core machine: generous on top of the deadline
 SIGNAL_EXIT_LIMIT_S = 45.0
@@ -47,7 +46,7 @@ def _alive(pid: int) -> bool:
 def test_blocked_rank_is_reported_and_the_engine_shut_down(tmp_path: Path) -> None:
     out = tmp_path / "hang.json"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "hang_cell.py"), str(model_dir("qwen3_moe")), str(RPC_TIMEOUT_S), str(out)],
+        [sys.executable, str(CELLS / "hang_cell.py"), str(model_dir("qwen3_moe")), str(RPC_TIMEOUT_S), str(out)],
         env=_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -81,7 +80,7 @@ def _interrupt(tmp_path: Path, signals: list[int]) -> dict[str, Any]:
     out, marker, log = tmp_path / "pids.json", tmp_path / "in_generate", tmp_path / "client.log"
     with log.open("w") as sink:
         client = subprocess.Popen(
-            [sys.executable, str(HERE / "signal_client.py"), str(model_dir("qwen3_moe")), str(out), str(marker)],
+            [sys.executable, str(CELLS / "signal_client.py"), str(model_dir("qwen3_moe")), str(out), str(marker)],
             env=_env(), stdout=sink, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:

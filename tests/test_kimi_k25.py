@@ -7,12 +7,7 @@ loader reads) with nothing missing or left over, and its text model is the deeps
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import LAYER_IDS, model_dir, prompts
 

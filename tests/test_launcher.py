@@ -23,14 +23,13 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import LAYER_IDS, MAX_MODEL_LEN, model_dir, prompts, require_speculators
 from spec_compat.transfer import DIR_PREFIX
 from spec_compat.transfer import _base_directory as transfer_base
 from test_engine import TOLERANCE, _max_rel_diff, hf_reference
 
-HERE = Path(__file__).resolve().parent
-CLIENT = HERE / "client_pipeline.py"
+CELLS = Path(__file__).resolve().parent / "cells"
+CLIENT = CELLS / "client_pipeline.py"
 VENV_BIN = str(Path(sys.executable).parent)
 TAG_ENV = "SPEC_COMPAT_TEST_TAG"  # marks every process of one run, to find survivors in /proc
 BATCH_SIZE = 12

@@ -6,11 +6,9 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import model_dir, require_speculators
 
 pytestmark = pytest.mark.engine

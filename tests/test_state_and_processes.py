@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import Cell, model_dir, record_figure, require_speculators, run_cell
 
 pytestmark = pytest.mark.engine
-HERE = Path(__file__).resolve().parent
+CELLS = Path(__file__).resolve().parent / "cells"
 CALLS = int(os.environ.get("SPEC_COMPAT_STATE_CALLS", "200"))
 
 
@@ -29,7 +28,7 @@ def _cell(script: str, tmp_path: Path, tp: int) -> tuple[dict[str, Any], str]:
         VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
     )
     proc = subprocess.run(
-        [sys.executable, str(HERE / script), str(model_dir("qwen3_moe")), str(tp), str(CALLS), str(out)],
+        [sys.executable, str(CELLS / script), str(model_dir("qwen3_moe")), str(tp), str(CALLS), str(out)],
         env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

@@ -3,13 +3,10 @@ path (the adapters disabled), for both speculators reply shapes, TP=1 and TP=2."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import Cell, run_cell, run_cell_once
 
 pytestmark = pytest.mark.engine

@@ -1,13 +1,13 @@
 """A client of speculators' generator, shaped like speculators' own offline pipeline script.
 
-It knows nothing of spec_compat (run it under ``spec-compat run -- python tests/client_pipeline.py``):
+It knows nothing of spec_compat (run it under ``spec-compat run -- python tests/cells/client_pipeline.py``):
 speculators is imported at module level, vLLM's workers are started with spawn (so each of them
 re-imports this module, speculators included, before vLLM loads its plugins), samples go through
 ``generate()`` in batches, and a thread pool saves one ``data_{i}.pt`` per sample while the next
 batch runs; ``sample_lengths.json`` records each sample's length. The engine is never shut down
 explicitly: like speculators' script, it relies on the interpreter's exit.
 
-Usage: python tests/client_pipeline.py --model DIR --data JSONL --output-dir DIR
+Usage: python tests/cells/client_pipeline.py --model DIR --data JSONL --output-dir DIR
            [--layer-ids 2 0 3] [--tp 1] [--batch-size 12] [--max-model-len 256]
 JSONL: one preprocessed sample per line, {"input_ids": [...], "loss_mask": [...]}.
 """

@@ -1,6 +1,6 @@
 """Fault injection against a real TP=2 engine (run in a fresh interpreter).
 
-Usage: python tests/fault_cell.py MODEL_DIR SCENARIO OUT_JSON
+Usage: python tests/cells/fault_cell.py MODEL_DIR SCENARIO OUT_JSON
 Scenarios: errors (empty-message exceptions on rank 0 / rank 1 only, an exception in the model
 forward), kill (a worker process killed in the middle of generate()), transfer (a NaN in one
 captured layer, then rank 0 killed half-way through writing its shared-memory segment).

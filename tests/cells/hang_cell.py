@@ -1,6 +1,6 @@
 """A TP=2 rank that blocks forever inside _get_captured_states (run in a fresh interpreter).
 
-Usage: python tests/hang_cell.py MODEL_DIR RPC_TIMEOUT_S OUT_JSON
+Usage: python tests/cells/hang_cell.py MODEL_DIR RPC_TIMEOUT_S OUT_JSON
 Two engines one after the other: rank 1 (not the reply rank) blocks, then rank 0 (the reply rank).
 For each: a healthy call first (the deadline does not fire on it), the blocked call (WorkerTimeout
 expected), a later call (EngineStopped expected at once), and the worker processes left.

@@ -1,5 +1,5 @@
 """Baseline for the state test: vLLM's own engine (no speculators, no spec_compat) on the same call
-sequence, so worker RSS growth can be attributed. Usage: python tests/llm_rss_cell.py MODEL TP CALLS OUT"""
+sequence, so worker RSS growth can be attributed. Usage: python tests/cells/llm_rss_cell.py MODEL TP CALLS OUT"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A driver process interrupted in the middle of generate() (run as a subprocess by tests/test_hang.py).
 
-Usage: python tests/signal_client.py MODEL_DIR OUT_JSON MARKER
+Usage: python tests/cells/signal_client.py MODEL_DIR OUT_JSON MARKER
 Starts a TP=2 generator, writes {"driver": pid, "workers": [pids]} to OUT_JSON, makes rank 0's
 _get_captured_states sleep for two minutes (after touching MARKER, so the test knows the call is in
 flight) and calls generate(). The test then sends SIGINT or SIGTERM to this process.

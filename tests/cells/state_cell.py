@@ -1,7 +1,7 @@
 """Repeated use of one real engine: 200 generate() calls of varying batch sizes against fresh
 single-prompt calls, RSS of the driver and workers over them, and worker log visibility.
 
-Usage: python tests/state_cell.py MODEL_DIR TP CALLS OUT_JSON   (vLLM is imported before apply())
+Usage: python tests/cells/state_cell.py MODEL_DIR TP CALLS OUT_JSON   (vLLM is imported before apply())
 """
 
 from __future__ import annotations

@@ -6,16 +6,12 @@ import email.message
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
 import matrix
 import matrix_table
+import pytest
 
 
 def _metadata(*requires: str) -> email.message.Message:

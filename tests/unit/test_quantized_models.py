@@ -6,14 +6,11 @@ against the names and shapes vLLM's loaders read."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tiny_models
 from tiny_models import (

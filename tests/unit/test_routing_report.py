@@ -4,21 +4,15 @@ as inherited, and a planted non-routing difference stays unexplained."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import routing_report
 import torch
+from routing_report import Analysis, Limits, one_swap_sets, outlier_report, run_layer
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import routing_report  # noqa: E402
-from routing_report import Analysis, Limits, one_swap_sets, outlier_report, run_layer  # noqa: E402
-
-import tiny_models  # noqa: E402
+import tiny_models
 
 LAYER_IDS = [2, 0, 3, 1]
 PROMPT = [1, *range(40, 70)]
