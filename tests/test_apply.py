@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_constants import TESTED_SPECULATORS
 
 from engine_harness import require_speculators
 
 CELLS = Path(__file__).resolve().parent / "cells"
 
 
-@pytest.mark.parametrize("speculators", ["0.4.0.1", "0.3.0"])
+@pytest.mark.parametrize("speculators", TESTED_SPECULATORS)
 def test_apply_revert_plan(speculators: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
     proc = subprocess.run(

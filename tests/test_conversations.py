@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from shared_constants import LAYER_IDS
+from shared_constants import MAX_MODEL_LEN as SHARED_MAX_MODEL_LEN
 
 from engine_harness import CACHE, model_dir, require_speculators
 from tiny_models import CHAT_TEMPLATE, CHAT_TEMPLATE_PLAIN, build_chat_model, hf_layer_outputs
@@ -187,7 +189,7 @@ def test_extract_conversations_equals_speculators_pipeline(tmp_path: Path) -> No
     speculators = require_speculators("0.4.0.1")
     model = chat_model(CHAT_TEMPLATE_PLAIN)
     data, clean = sharegpt_file(tmp_path / "chat.jsonl", 6, {3: BAD_LINES[3]})
-    max_model_len, layers = 256, [2, 0, 3]  # some conversations longer
+    max_model_len, layers = SHARED_MAX_MODEL_LEN, list(LAYER_IDS)  # some conversations longer
     reference = run_cell(
         tmp_path / "ref", speculators, model=str(model), input=str(clean), reference=str(clean),
         max_model_len=max_model_len,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_constants import TESTED_SPECULATORS
 
 from engine_harness import require_speculators
 
@@ -20,7 +21,7 @@ def _run(args: list[str], speculators: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("speculators", ["0.4.0.1", "0.3.0"])
+@pytest.mark.parametrize("speculators", TESTED_SPECULATORS)
 def test_doctor_compatible(speculators: str) -> None:
     proc = _run(["-m", "spec_compat", "doctor", "--json"], speculators)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import pytest
+from shared_constants import TESTED_SPECULATORS
 
 from engine_harness import (
     CHUNK_BUDGET,
@@ -32,7 +33,7 @@ from engine_harness import (
 pytestmark = pytest.mark.engine
 
 # The installs provided (tools/provision.sh: 0.4.0.1 and 0.3.0; the matrix adds 0.4.0).
-SPECULATORS = list(speculators_installs()) or ["0.4.0.1", "0.3.0"]
+SPECULATORS = list(speculators_installs()) or list(TESTED_SPECULATORS)
 # kimi_k25: the multimodal wrapper (KimiK25ForConditionalGeneration) around the deepseek_v3 text model.
 FAMILIES = ["dense", "qwen3_moe", "deepseek_v3", "kimi_k25"]
 TOLERANCE = 1e-3

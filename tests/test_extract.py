@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_constants import LAYER_IDS, MAX_MODEL_LEN
 
 from engine_harness import model_dir, process_group_gone, require_speculators
 
 pytestmark = pytest.mark.engine
-LAYERS = "2,0,3"
+LAYERS = ",".join(map(str, LAYER_IDS))
 
 
 def _dataset(path: Path, n: int, bad: set[int] = frozenset()) -> Path:  # type: ignore[assignment]
@@ -36,7 +37,7 @@ def _dataset(path: Path, n: int, bad: set[int] = frozenset()) -> Path:  # type: 
 def _command(data: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "spec_compat", "extract", "--model", str(model_dir("dense")), "--input", str(data),
-        "--output", str(out), "--layer-ids", LAYERS, "--max-model-len", "256", "--dtype", "float32",
+        "--output", str(out), "--layer-ids", LAYERS, "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
         "--save-dtype", "float32", *extra,
     ]  # fmt: skip
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 import torch
+from shared_constants import LAYER_IDS, MAX_MODEL_LEN, TESTED_SPECULATORS
 
-from engine_harness import LAYER_IDS, MAX_MODEL_LEN, model_dir, prompts, require_speculators
+from engine_harness import model_dir, prompts, require_speculators
 from spec_compat.transfer import DIR_PREFIX
 from spec_compat.transfer import _base_directory as transfer_base
 from test_engine import TOLERANCE, _max_rel_diff, hf_reference
@@ -238,7 +239,7 @@ def _survivors(tag: str, grace_s: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
-CLIENT_CELLS = [(s, tp) for s in ("0.4.0.1", "0.3.0") for tp in (1, 2)]
+CLIENT_CELLS = [(s, tp) for s in TESTED_SPECULATORS for tp in (1, 2)]
 
 
 @pytest.mark.engine

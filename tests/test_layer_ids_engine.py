@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from shared_constants import TESTED_SPECULATORS
 
 from engine_harness import model_dir, require_speculators
 
@@ -26,7 +27,7 @@ except ValueError as exc:
 """
 
 
-@pytest.mark.parametrize("version", ["0.4.0.1", "0.3.0"])
+@pytest.mark.parametrize("version", TESTED_SPECULATORS)
 def test_default_layer_ids_with_repeats_are_refused_before_the_engine_starts(version: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(require_speculators(version)), VLLM_CPU_KVCACHE_SPACE="1")
     started = time.monotonic()

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_constants import LAYER_IDS, MAX_MODEL_LEN
 
 from engine_harness import model_dir, process_group_gone, require_speculators
 from tiny_models import hf_layer_outputs
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.engine
-LAYERS = [2, 0, 3]
+LAYERS = list(LAYER_IDS)
 SAMPLES = 240  # batches of 4: a few seconds of work for one replica, so a kill lands mid-run
 READY = re.compile(r"replica (\d) ready on \S+ \(pid \d+, vLLM workers ([\d ]+),")
 
@@ -39,7 +40,7 @@ def _dataset(path: Path) -> Path:
 def _command(data: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "spec_compat", "extract", "--model", str(model_dir("dense")), "--input", str(data),
-        "--output", str(out), "--layer-ids", ",".join(map(str, LAYERS)), "--max-model-len", "256",
+        "--output", str(out), "--layer-ids", ",".join(map(str, LAYERS)), "--max-model-len", str(MAX_MODEL_LEN),
         "--dtype", "float32", "--save-dtype", "float32", "--batch-size", "4", *extra,
     ]  # fmt: skip
 

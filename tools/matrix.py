@@ -40,13 +40,14 @@ from xml.etree import ElementTree
 import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from shared_constants import MATRIX_SPECULATORS
 
 REPO = Path(__file__).resolve().parent.parent
 HOME = Path(os.environ.get("SPEC_COMPAT_HOME", Path.home() / ".cache" / "spec_compat"))
 MATRIX_HOME = HOME / "matrix"
 RESULTS = REPO / "docs" / "matrix"
 # 0.4.0 and 0.4.0.1 ship the same data_generation package (diffed); both are cells all the same.
-SPECULATORS_VERSIONS = ["0.4.0.1", "0.4.0", "0.3.0"]
+SPECULATORS_VERSIONS = list(MATRIX_SPECULATORS)
 
 # Releases of ../shared/reference/VLLM_API_MATRIX.md from 0.11.2 on; "run" = real-engine cells.
 RELEASES: dict[str, str] = {

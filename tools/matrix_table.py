@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
+from shared_constants import MATRIX_SPECULATORS
 
 BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
 GPU_DOCS = Path(__file__).resolve().parents[1] / "docs" / "gpu"
-SPECULATORS = ["0.4.0.1", "0.4.0", "0.3.0"]
+SPECULATORS = list(MATRIX_SPECULATORS)
 FAMILY_NAMES = {"dense-tp1": "dense TP1", "qwen3_moe-tp2": "Qwen3-MoE TP2", "deepseek_v3-tp2": "MLA+MoE TP2"}
 
 

@@ -11,10 +11,11 @@ import pytest
 import routing_report
 import torch
 from routing_report import Analysis, Limits, one_swap_sets, outlier_report, run_layer
+from shared_constants import ALL_LAYER_IDS
 
 import tiny_models
 
-LAYER_IDS = [2, 0, 3, 1]
+LAYER_IDS = list(ALL_LAYER_IDS)
 PROMPT = [1, *range(40, 70)]
 FLIP_LAYER, FLIP_TOKEN = 1, 5
 LIMITS = Limits(max_rel_l2=5e-3, min_cosine=None)
