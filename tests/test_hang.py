@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from cells.outcomes import alive
 from engine_harness import model_dir, record_figure, require_speculators
 
 pytestmark = pytest.mark.engine
@@ -33,14 +34,6 @@ def _env() -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         VLLM_CPU_OMP_THREADS_BIND="0|1",
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            return "zombie" not in handle.read()
-    except FileNotFoundError:
-        return False
 
 
 def test_blocked_rank_is_reported_and_the_engine_shut_down(tmp_path: Path) -> None:
@@ -106,7 +99,7 @@ def _interrupt(tmp_path: Path, signals: list[int]) -> dict[str, Any]:
     return {
         "code": code,
         "seconds": seconds,
-        "left": [p for p in pids["workers"] if _alive(p)],
+        "left": [p for p in pids["workers"] if alive(p)],
         "log": log.read_text(),
     }
 

@@ -14,8 +14,14 @@ from engine_harness import model_dir, require_speculators
 
 pytestmark = pytest.mark.engine
 
+# speculators' generator logs its steps ("Initializing hidden states generator ...", then
+# "Initializing executor..." right before it starts the workers) at INFO, which Python drops unless
+# a handler is configured: the script shows them on stderr, so that the missing executor line says
+# the refusal came before the executor, not that nothing was logged.
 SCRIPT = """
-import sys, spec_compat
+import logging, sys, spec_compat
+logging.basicConfig()
+logging.getLogger("speculators").setLevel(logging.INFO)
 spec_compat.apply()
 from speculators.data_generation import VllmHiddenStatesGenerator
 try:
@@ -41,5 +47,6 @@ def test_default_layer_ids_with_repeats_are_refused_before_the_engine_starts(ver
     assert "speculators' default layer_ids for this model [2, 2, 1, 3] repeat [2]" in refused
     assert "--layer-ids" in refused and "layer_ids=[...]" in refused
     assert "CHILDREN: 0" in proc.stdout  # no worker was started
+    assert "Initializing hidden states generator" in proc.stderr, proc.stderr[-3000:]  # its log lines are shown
     assert "Loading weights" not in proc.stderr and "Initializing executor" not in proc.stderr
     print(f"speculators {version}: refused {elapsed:.1f} s after start (imports included)")

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from outcomes import alive, capture
+
 
 def _rank(worker: Any) -> int:
     from vllm.distributed import get_tp_group
@@ -101,27 +103,9 @@ def kill_while_writing_states_on_rank_0(worker: Any) -> None:
 
 
 def _capture(fn: Any) -> dict[str, Any]:
-    started = time.perf_counter()
-    try:
-        fn()
-        outcome: dict[str, Any] = {"raised": None}
-    except Exception as exc:  # noqa: BLE001 - the outcome is the point
-        outcome = {
-            "raised": type(exc).__name__,
-            "exc_type": getattr(exc, "exc_type", None),
-            "rank": getattr(exc, "rank", None),
-            "text": str(exc),
-        }
-    outcome["seconds"] = time.perf_counter() - started
-    return outcome
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            return "zombie" not in handle.read()
-    except FileNotFoundError:
-        return False
+    return capture(
+        fn, lambda exc: {"exc_type": getattr(exc, "exc_type", None), "rank": getattr(exc, "rank", None)}
+    )
 
 
 def main() -> None:
@@ -184,9 +168,9 @@ def main() -> None:
     started = time.perf_counter()
     executor.shutdown()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    record["orphans"] = [p for p in pids if _alive(p)]
+    record["orphans"] = [p for p in pids if alive(p)]
     directory = getattr(executor, "transfer_directory", None)
     record["transfer_directory_left"] = bool(directory and os.path.exists(directory))
     record["shutdown_seconds"] = time.perf_counter() - started

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Any
+
+from outcomes import alive, capture
 
 
 def _block_on(worker: Any, rank: int) -> None:
@@ -37,29 +38,15 @@ def block_rank_1(worker: Any) -> None:
 
 
 def _capture(fn: Any) -> dict[str, Any]:
-    started = time.perf_counter()
-    try:
-        fn()
-        outcome: dict[str, Any] = {"raised": None}
-    except Exception as exc:  # noqa: BLE001 - the outcome is the point
-        outcome = {
-            "raised": type(exc).__name__,
+    def details(exc: Exception) -> dict[str, Any]:
+        return {
             "is_worker_error": isinstance(exc, __import__("spec_compat").WorkerError),
             "rank": getattr(exc, "rank", None),
             "answered": getattr(exc, "answered", None),
             "stuck": getattr(exc, "stuck", None),
-            "text": str(exc),
         }
-    outcome["seconds"] = time.perf_counter() - started
-    return outcome
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            return "zombie" not in handle.read()
-    except FileNotFoundError:
-        return False
+    return capture(fn, details)
 
 
 def main() -> None:
@@ -80,7 +67,7 @@ def main() -> None:
         executor.collective_rpc(inject)
         case["blocked"] = _capture(lambda g=generator: g.generate(prompts))
         case["later"] = _capture(lambda g=generator: g.generate(prompts))
-        case["orphans"] = [p for p in pids if _alive(p)]
+        case["orphans"] = [p for p in pids if alive(p)]
         import os
 
         case["watchdog_directory_left"] = os.path.exists(executor.watchdog_directory)
