@@ -400,13 +400,23 @@ FLIP_KINDS = ("expert_flip", "flip_through_attention")  # a routing decision, pr
 ROUNDING_KIND = "accumulated_rounding"  # every layer in the limit: bfloat16, within the model's own floor
 
 
+def routing_is_continuous(config: dict[str, Any]) -> bool:
+    """True for a model whose output is a smooth function of its weights' rounding: dense, or a
+    MoE that routes every token to every expert (top-k = number of experts). Read from the
+    checkpoint's config (a wrapper's ``text_config``), never from the family's name."""
+    text = config.get("text_config") or config
+    experts = text.get("num_experts") or text.get("n_routed_experts") or text.get("num_local_experts")
+    return not experts or int(text.get("num_experts_per_tok") or 0) >= int(experts)
+
+
 def account_for_outliers(dtype: str, floor: dict[str, Any] | None, report: dict[str, Any] | None) -> dict[str, Any]:
     """Whether ``report`` (tools/routing_report.py) accounts for every token over the strict
     limit, token by token: ``accounted`` is True only when every outlier token was analysed and
     each is an expert flip (its own, or an earlier token's reaching it through attention), or, in
-    bfloat16 with a measured floor, accumulated rounding with rel-L2 <= the floor's maximum and
-    cosine >= its minimum. ``by_rule`` counts the tokens per rule; ``unaccounted`` lists the first
-    ones that are not, with why."""
+    bfloat16 with a measured floor on a model with continuous routing (``floor["routing_continuous"]``:
+    with top-k routing HF's own bfloat16 run flips experts, so its floor is no rounding floor),
+    accumulated rounding with rel-L2 <= the floor's maximum and cosine >= its minimum.
+    ``by_rule`` counts the tokens per rule; ``unaccounted`` lists the first ones that are not, with why."""
     result: dict[str, Any] = {"accounted": False, "by_rule": {}, "unaccounted": []}
     if not report or "error" in report or "outlier_tokens" not in report:
         result["why"] = "no outlier report" if not report else f"outlier report failed: {report.get('error', '')[:300]}"
@@ -417,7 +427,7 @@ def account_for_outliers(dtype: str, floor: dict[str, Any] | None, report: dict[
             f"{len(rows)} of {report['outlier_tokens']} outlier tokens analysed ({report.get('stopped', 'cap')})"
         )
         return result
-    use_floor = dtype == "bfloat16" and floor is not None and "rel_l2_max" in floor
+    use_floor = dtype == "bfloat16" and floor is not None and "rel_l2_max" in floor and floor.get("routing_continuous")
     counts: dict[str, int] = {}
     for row in rows:
         kind = row.get("kind")
@@ -748,6 +758,9 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
                     "rel_l2_max": floor["token_metric"]["rel_l2_max"],
                     "cosine_min": floor["token_metric"]["cosine_min"],
                     "token_layers_over_strict_limit": floor["token_layers_over_strict_limit"],
+                    "routing_continuous": routing_is_continuous(
+                        json.loads((session.models[run.cell.family] / "config.json").read_text())
+                    ),
                 }
             entry.update(
                 status="pass" if verdict["pass"] else "mismatch",
@@ -1063,6 +1076,17 @@ def print_table(session: Session) -> None:
         )
 
 
+def family_config(family: str) -> dict[str, Any]:
+    """The config a tests/tiny_models.py family's checkpoint carries (the fields routing reads)."""
+    import tiny_models
+
+    if family in tiny_models.WRAPPER_FAMILIES:
+        family = tiny_models.WRAPPER_FAMILIES[family].text_family
+    if family in tiny_models.QUANTIZED_FAMILIES:
+        return dict(tiny_models.QUANTIZED_FAMILIES[family].base.config_kwargs)
+    return dict(tiny_models.MODEL_FAMILIES[family].config_kwargs)
+
+
 def rejudge(path: Path) -> int:
     """Settle the verdict of every cell of an earlier ``gpu_cells.json`` again with today's rules
     (``settle_verdict``, from the cell's own recorded outlier report; the evidence is unchanged),
@@ -1074,6 +1098,9 @@ def rejudge(path: Path) -> int:
             print(f"{cell['cell']:44s} {cell['status']}")
             continue
         verdict.setdefault("problems", bool(cell.get("problems")))
+        floor = verdict.get("hf_bfloat16_vs_float32")
+        if floor is not None and "routing_continuous" not in floor:
+            floor["routing_continuous"] = routing_is_continuous(family_config(cell["family"]))
         if verdict["values_ok"]:
             settle_verdict(verdict, cell["dtype"], None)
         else:
@@ -1093,6 +1120,7 @@ def rejudge(path: Path) -> int:
 
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--rejudge":
+        sys.path.insert(0, str(TESTS))
         return rejudge(Path(sys.argv[2]))
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         try:

@@ -10,9 +10,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from gpu_cells import account_for_outliers, settle_verdict  # noqa: E402
+from gpu_cells import account_for_outliers, family_config, routing_is_continuous, settle_verdict  # noqa: E402
 
-FLOOR = {"rel_l2_max": 0.07, "cosine_min": 0.9975}
+FLOOR = {"rel_l2_max": 0.07, "cosine_min": 0.9975, "routing_continuous": True}
 
 
 def row(kind: str | None, rel: float = 0.06, cos: float = 0.998, token: int = 5) -> dict[str, Any]:
@@ -33,6 +33,8 @@ def test_rounding_needs_bfloat16_and_the_measured_floor() -> None:
     assert account_for_outliers("bfloat16", FLOOR, report(inside))["accounted"]
     assert not account_for_outliers("bfloat16", None, report(inside))["accounted"]  # no floor measured
     assert not account_for_outliers("float32", FLOOR, report(inside))["accounted"]  # float32: strict only
+    top_k = {**FLOOR, "routing_continuous": False}  # HF's own bfloat16 run flips experts: no rounding floor
+    assert not account_for_outliers("bfloat16", top_k, report(inside))["accounted"]
     over_rel = account_for_outliers("bfloat16", FLOOR, report(row("accumulated_rounding", 0.08, 0.999)))
     over_cos = account_for_outliers("bfloat16", FLOOR, report(row("accumulated_rounding", 0.05, 0.99)))
     assert not over_rel["accounted"] and not over_cos["accounted"]
@@ -71,3 +73,17 @@ def test_settle_verdict() -> None:
     within = verdict(True)
     settle_verdict(within, "float32", None)
     assert within["pass"] and "outliers" not in within
+
+
+def test_continuous_routing_is_read_from_the_config() -> None:
+    assert routing_is_continuous({"hidden_size": 64})  # dense
+    assert routing_is_continuous({"num_experts": 4, "num_experts_per_tok": 4})
+    assert not routing_is_continuous({"n_routed_experts": 8, "num_experts_per_tok": 2})
+    assert not routing_is_continuous({"text_config": {"n_routed_experts": 8, "num_experts_per_tok": 2}})
+    continuous = {
+        f
+        for f in ("dense", "qwen3_moe_all_experts", "deepseek_v3_all_experts", "qwen3_moe_w4a16", "deepseek_v3_fp8")
+        if routing_is_continuous(family_config(f))
+    }
+    assert len(continuous) == 5
+    assert not any(routing_is_continuous(family_config(f)) for f in ("qwen3_moe", "deepseek_v3", "kimi_k25"))
