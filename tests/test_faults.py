@@ -4,29 +4,26 @@ type, the TP rank and the remote traceback, within 60 s, and no worker process i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from engine_harness import model_dir, record_figure, require_speculators
+from engine_harness import model_dir, record_figure
+
+if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
+    from conftest import EngineEnv
 
 pytestmark = pytest.mark.engine
 CELLS = Path(__file__).resolve().parent / "cells"
 LIMIT_S = 60
 
 
-def _run(scenario: str, tmp_path: Path, speculators: str = "0.4.0.1") -> dict[str, Any]:
+def _run(scenario: str, tmp_path: Path, engine_env: EngineEnv, speculators: str = "0.4.0.1") -> dict[str, Any]:
     out = tmp_path / f"{scenario}.json"
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(require_speculators(speculators)),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
-    )
+    env = engine_env(speculators, "0|1")
     proc = subprocess.run(
         [sys.executable, str(CELLS / "fault_cell.py"), str(model_dir("qwen3_moe")), scenario, str(out)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -45,8 +42,8 @@ def _assert_loud(outcome: dict[str, Any], exc_type: str, rank: int, in_traceback
     assert outcome["seconds"] < LIMIT_S, outcome
 
 
-def test_worker_exceptions_are_loud(tmp_path: Path) -> None:
-    record = _run("errors", tmp_path)
+def test_worker_exceptions_are_loud(tmp_path: Path, engine_env: EngineEnv) -> None:
+    record = _run("errors", tmp_path, engine_env)
     _assert_loud(record["rpc_empty_rank0"], "AssertionError", 0, "raise_on_rank_0")
     assert "AssertionError: (empty message)" in record["rpc_empty_rank0"]["text"]
     _assert_loud(record["speculators_rpc_empty_rank1"], "RuntimeError", 1, "broken")
@@ -67,8 +64,8 @@ def test_worker_exceptions_are_loud(tmp_path: Path) -> None:
     assert record["orphans"] == []
 
 
-def test_killed_worker_is_named(tmp_path: Path) -> None:
-    record = _run("kill", tmp_path)
+def test_killed_worker_is_named(tmp_path: Path, engine_env: EngineEnv) -> None:
+    record = _run("kill", tmp_path, engine_env)
     killed = record["killed"]
     assert killed["raised"] == "WorkerError" and killed["exc_type"] == "WorkerProcessDied", killed
     assert killed["rank"] == 1 and "killed by signal 9 (SIGKILL)" in killed["text"], killed
@@ -76,11 +73,11 @@ def test_killed_worker_is_named(tmp_path: Path) -> None:
     assert record["orphans"] == []
 
 
-def test_transfer_faults_are_loud(tmp_path: Path) -> None:
+def test_transfer_faults_are_loud(tmp_path: Path, engine_env: EngineEnv) -> None:
     """A NaN is found on the worker (before the copy) and named by request and layer; a worker
     killed half-way through writing its shared-memory segment surfaces as a named dead worker,
     and no segment outlives the executor."""
-    record = _run("transfer", tmp_path)
+    record = _run("transfer", tmp_path, engine_env)
     nan = record["nan"]
     assert nan["raised"] == "ResultContractError", nan
     assert "(layer 2): " in nan["text"] and "non-finite values" in nan["text"], nan["text"]

@@ -7,18 +7,20 @@ within seconds with its workers gone; a second SIGINT forces the exit."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from cells.outcomes import alive
-from engine_harness import model_dir, record_figure, require_speculators
+from engine_harness import model_dir, record_figure
+
+if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
+    from conftest import EngineEnv
 
 pytestmark = pytest.mark.engine
 CELLS = Path(__file__).resolve().parent / "cells"
@@ -27,20 +29,11 @@ SLACK_S = 60.0  # a shared 2-core machine: generous on top of the deadline
 SIGNAL_EXIT_LIMIT_S = 45.0
 
 
-def _env() -> dict[str, str]:
-    return dict(
-        os.environ,
-        PYTHONPATH=str(require_speculators("0.4.0.1")),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
-    )
-
-
-def test_blocked_rank_is_reported_and_the_engine_shut_down(tmp_path: Path) -> None:
+def test_blocked_rank_is_reported_and_the_engine_shut_down(tmp_path: Path, engine_env: EngineEnv) -> None:
     out = tmp_path / "hang.json"
     proc = subprocess.run(
         [sys.executable, str(CELLS / "hang_cell.py"), str(model_dir("qwen3_moe")), str(RPC_TIMEOUT_S), str(out)],
-        env=_env(), capture_output=True, text=True, timeout=900,
+        env=engine_env("0.4.0.1", "0|1"), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     record: dict[str, Any] = json.loads(out.read_text())
@@ -67,14 +60,14 @@ def test_blocked_rank_is_reported_and_the_engine_shut_down(tmp_path: Path) -> No
         assert result["orphans"] == [] and result["watchdog_directory_left"] is False, result
 
 
-def _interrupt(tmp_path: Path, signals: list[int]) -> dict[str, Any]:
+def _interrupt(tmp_path: Path, signals: list[int], env: dict[str, str]) -> dict[str, Any]:
     """Start the client, wait until generate() is in flight, send ``signals`` (the next one once the
     shutdown message appeared); returns exit code, seconds from the first signal to exit, leftovers."""
     out, marker, log = tmp_path / "pids.json", tmp_path / "in_generate", tmp_path / "client.log"
     with log.open("w") as sink:
         client = subprocess.Popen(
             [sys.executable, str(CELLS / "signal_client.py"), str(model_dir("qwen3_moe")), str(out), str(marker)],
-            env=_env(), stdout=sink, stderr=subprocess.STDOUT, text=True,
+            env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 600
@@ -113,9 +106,9 @@ def _interrupt(tmp_path: Path, signals: list[int]) -> dict[str, Any]:
     ],
 )
 def test_signal_during_generate_stops_and_leaves_no_worker(
-    tmp_path: Path, name: str, signals: list[int], code: int
+    tmp_path: Path, name: str, signals: list[int], code: int, engine_env: EngineEnv
 ) -> None:
-    outcome = _interrupt(tmp_path, signals)
+    outcome = _interrupt(tmp_path, signals, engine_env("0.4.0.1", "0|1"))
     record_figure(f"signal-{name}", {"exit_s": outcome["seconds"], "code": outcome["code"]})
     assert outcome["code"] == code, outcome
     assert outcome["seconds"] < SIGNAL_EXIT_LIMIT_S, outcome

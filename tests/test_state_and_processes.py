@@ -8,25 +8,23 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from engine_harness import Cell, model_dir, record_figure, require_speculators, run_cell
+from engine_harness import Cell, model_dir, record_figure, run_cell
+
+if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
+    from conftest import EngineEnv
 
 pytestmark = pytest.mark.engine
 CELLS = Path(__file__).resolve().parent / "cells"
 CALLS = int(os.environ.get("SPEC_COMPAT_STATE_CALLS", "200"))
 
 
-def _cell(script: str, tmp_path: Path, tp: int) -> tuple[dict[str, Any], str]:
+def _cell(script: str, tmp_path: Path, tp: int, engine_env: EngineEnv) -> tuple[dict[str, Any], str]:
     out = tmp_path / f"{script}.json"
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(require_speculators("0.4.0.1")),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
-    )
+    env = engine_env("0.4.0.1", "0|1" if tp == 2 else "0")
     proc = subprocess.run(
         [sys.executable, str(CELLS / script), str(model_dir("qwen3_moe")), str(tp), str(CALLS), str(out)],
         env=env, capture_output=True, text=True, timeout=1800,
@@ -39,9 +37,9 @@ def _growth(record: dict[str, Any]) -> list[int]:
     return [end - mid for end, mid in zip(record["rss_end"], record["rss_after_10"], strict=True)]
 
 
-def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path) -> None:
-    record, output = _cell("state_cell.py", tmp_path, tp=2)
-    baseline, _ = _cell("llm_rss_cell.py", tmp_path, tp=2)
+def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path, engine_env: EngineEnv) -> None:
+    record, output = _cell("state_cell.py", tmp_path, tp=2, engine_env=engine_env)
+    baseline, _ = _cell("llm_rss_cell.py", tmp_path, tp=2, engine_env=engine_env)
     # speculators issue 279 was state leaking between calls: every result of the varied batches
     # must equal the fresh single-prompt call (float32; allow rounding if kernels reorder sums).
     assert record["max_rel_diff_vs_single"] <= 1e-5, record
