@@ -20,8 +20,18 @@ fast. ``--stage`` copies part i into ``<repo>/build/gpu_parts/p<i>/`` (ignored b
 each device call carries one part (``carry: ["build/gpu_parts/p<i>"]``); ``tools/gpu_install.sh``
 joins, verifies and installs them there.
 
+A *release bundle* (``--release VERSION``, see ``RELEASES``) lets the same device session run
+another vLLM release on top of that install: it carries only that release's vLLM wheel (stripped
+the same way) and the few dependency wheels whose required versions differ from what the 0.22.1
+bundle carries or the device image has; its closure is checked against (release) plus (0.22.1
+bundle) plus (device image). Staged into ``build/gpu_parts/r<VERSION>/`` (or ``r<VERSION>a/``,
+``r<VERSION>b/``, ... when it needs more than one call), installed there by
+``tools/gpu_install.sh --release VERSION`` into its own ``--target`` folder that goes first on
+``PYTHONPATH``.
+
     python tools/gpu_bundle.py            # build (or reuse) the bundle, print the parts
-    python tools/gpu_bundle.py --stage    # ... and stage the parts into build/gpu_parts/
+    python tools/gpu_bundle.py --stage    # ... and stage the parts into build/gpu_parts/p<i>/
+    python tools/gpu_bundle.py --release 0.23.0 --stage   # a release bundle -> build/gpu_parts/r0.23.0/
 """
 
 from __future__ import annotations
@@ -157,6 +167,33 @@ ACCEPTED_CONFLICTS: dict[tuple[str, str], str] = {
     ("mistral-common", "numpy"): "the device's numpy 2.5.2 is newer than mistral-common's cap; only its tokenizers "
     "for Mistral models would use it",
 }
+
+# Release bundles: for each vLLM release, the wheels it needs besides the 0.22.1 bundle and the
+# device image (names as PyPI spells them). All these releases pin torch==2.11.0 (the device's)
+# and accept transformers 5.17.0. Why each is carried:
+# * compressed-tensors: vLLM pins 0.17.0 (0.22.1 pinned 0.15.0.1, which the bundle carries);
+# * fastapi: vLLM >= 0.23 wants fastapi[standard] < 0.137, the bundle carries 0.165.0;
+# * humming-kernels + pyelftools: vLLM pins its humming version, and its quantization registry
+#   imports humming for any quantized checkpoint (for 0.22.1 they ride in build/gpu_extra/).
+_RELEASE_COMMON = ("compressed-tensors==0.17.0", "fastapi==0.136.3", "pyelftools==0.33")
+RELEASES: dict[str, tuple[str, ...]] = {
+    "0.23.0": (*_RELEASE_COMMON, "humming-kernels==0.1.4"),
+    "0.24.0": (*_RELEASE_COMMON, "humming-kernels==0.1.6"),
+    "0.25.1": (*_RELEASE_COMMON, "humming-kernels==0.1.10"),
+    "0.26.0": (*_RELEASE_COMMON, "humming-kernels==0.1.10"),
+}
+
+# Requirements of the newer releases left out on purpose, on top of NOT_CARRIED (read in their
+# sources: each is imported lazily or behind a guard).
+RELEASE_NOT_CARRIED: dict[str, str] = {
+    "torchcodec": "video decoding only; vllm.multimodal.video imports it in try/except (vLLM >= 0.25)",
+    "pynvvideocodec": "GPU video decoding only, imported inside the pynvvideocodec backend (vLLM >= 0.25)",
+    "nvtx": "imported only when VLLM_NVTX_SCOPES_FOR_PROFILING is set (vLLM >= 0.25)",
+}
+
+# Parts of a release bundle: at most this many MiB each, so one call carries a part plus the
+# working tree (0.3 to 4 MiB) under DEVICE_CARRY_LIMIT_MIB.
+RELEASE_PART_MIB = 62.0
 
 # The device image ('cuda', KINDS.md of the device tool, read 2026-11-17) and the versions known
 # from its pip list. Carry one of these only for another version.
@@ -354,6 +391,7 @@ class Closure:
     not_carried: list[str] = field(default_factory=list)
     assumed_on_device: list[str] = field(default_factory=list)
     shadows_device: list[str] = field(default_factory=list)
+    shadows_base: list[str] = field(default_factory=list)
     extras_unmet: list[str] = field(default_factory=list)
 
     @property
@@ -371,23 +409,42 @@ def _applies(req: Requirement, extra: str) -> bool:
     return Marker(str(req.marker)).evaluate(env)
 
 
-def closure_report(wheels: list[Path], spec_wheels: list[Path]) -> Closure:
+def closure_report(
+    wheels: list[Path],
+    spec_wheels: list[Path],
+    base: list[Path] | None = None,
+    not_carried: dict[str, str] | None = None,
+) -> Closure:
     """Check every Requires-Dist of the carried wheels against the carried set plus the device
-    image: what is missing, what conflicts, what is assumed to be on the device."""
+    image: what is missing, what conflicts, what is assumed to be on the device.
+
+    For a release bundle, ``base`` holds the 0.22.1 bundle's wheels: the run sees the release's
+    wheels first, then the base's, so a base wheel of the same name is shadowed; the requirements
+    of every wheel the run sees (the release's and the base's that stay visible) are checked."""
+    not_carried = NOT_CARRIED if not_carried is None else not_carried
     carried: dict[str, str] = {}
     requires: dict[str, list[str]] = {}
+    own: set[str] = set()
     for path in wheels:
         name, version, reqs = wheel_metadata(path)
         carried[name] = version
         requires[name] = reqs
+        own.add(name)
     result = Closure()
-    result.shadows_device = [n for n in carried if n in DEVICE_PACKAGES]
+    for path in base or []:
+        name, version, reqs = wheel_metadata(path)
+        if name in own:
+            result.shadows_base.append(f"{name} {version} -> {carried[name]}")
+            continue
+        carried[name] = version
+        requires[name] = reqs
+    result.shadows_device = [n for n in own if n in DEVICE_PACKAGES]
 
     def check(owner: str, req: Requirement, soft: bool) -> None:
         name = canonicalize_name(req.name)
         label = f"{owner} -> {req}"
-        if name in NOT_CARRIED:
-            result.not_carried.append(f"{label} ({NOT_CARRIED[name]})")
+        if name in not_carried:
+            result.not_carried.append(f"{label} ({not_carried[name]})")
             return
         have = carried.get(name) or DEVICE_VERSIONS.get(name)
         if have is None:
@@ -498,13 +555,35 @@ def tree_bytes() -> int:
     return total
 
 
+def stage_names(manifest: dict[str, Any]) -> list[str]:
+    """Staged folder of each part: p<i> for the 0.22.1 bundle; r<VERSION> for a release bundle of
+    one part, r<VERSION>a, r<VERSION>b, ... for one of several."""
+    count = len(manifest["parts"])
+    release = manifest.get("release")
+    if release is None:
+        return [f"p{i}" for i in range(count)]
+    if count == 1:
+        return [f"r{release}"]
+    return [f"r{release}{chr(ord('a') + i)}" for i in range(count)]
+
+
+def stage_clear(release: str | None) -> None:
+    """Remove the staged folders of the same bundle only (p<i>/ or r<VERSION>[a-z]/), never the others."""
+    if not STAGE_DIR.is_dir():
+        return
+    pattern = re.compile(r"^p\d+$" if release is None else rf"^r{re.escape(release)}[a-z]?$")
+    for folder in STAGE_DIR.iterdir():
+        if folder.is_dir() and pattern.match(folder.name):
+            shutil.rmtree(folder)
+
+
 def stage(out: Path, manifest: dict[str, Any]) -> list[Path]:
-    """Copy part i (plus the manifest and checksums) into build/gpu_parts/p<i>/."""
-    shutil.rmtree(STAGE_DIR, ignore_errors=True)
+    """Copy part i (plus the manifest and checksums) into build/gpu_parts/<stage_names()[i]>/."""
+    stage_clear(manifest.get("release"))
     tree = tree_bytes()
     folders = []
-    for index, part in enumerate(manifest["parts"]):
-        folder = STAGE_DIR / f"p{index}"
+    for name_, part in zip(stage_names(manifest), manifest["parts"], strict=True):
+        folder = STAGE_DIR / name_
         folder.mkdir(parents=True)
         for name in (part["name"], "manifest.json", "SHA256SUMS"):
             shutil.copy2(out / name, folder / name)
@@ -517,6 +596,60 @@ def stage(out: Path, manifest: dict[str, Any]) -> list[Path]:
         )
         folders.append(folder)
     return folders
+
+
+def pack(
+    out: Path,
+    bundle_name: str,
+    members: list[tuple[str, Path]],
+    args: argparse.Namespace,
+    part_mib: float,
+    fields: dict[str, Any],
+) -> dict[str, Any]:
+    """Tar + xz ``members`` into ``out/bundle_name``, cut into parts of at most ``part_mib`` MiB, write
+    manifest.json (``fields`` added) and SHA256SUMS; reuse the parts when the inputs are unchanged."""
+    part_bytes = int(part_mib * MIB)
+    key = inputs_key(members, args.xz_preset, part_bytes)
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists() and not args.force:
+        old = json.loads(manifest_path.read_text())
+        if old.get("inputs_key") == key and all(
+            (out / p["name"]).is_file() and (out / p["name"]).stat().st_size == p["bytes"] for p in old["parts"]
+        ):
+            log(f"bundle up to date in {out}")
+            return dict(old) | fields
+    for stale in out.glob(f"{bundle_name}*"):
+        stale.unlink()
+    joined = out / bundle_name
+    build_tar(members, joined, args.xz_preset, args.threads)
+    parts = split(joined, out, part_bytes)
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "inputs_key": key,
+        "joined": {"name": bundle_name, "bytes": joined.stat().st_size, "sha256": sha256_file(joined)},
+        "parts": parts,
+        "wheels": sorted(name for name, _ in members),
+        "uncompressed_bytes": sum(p.stat().st_size for _, p in members),
+        "xz_preset": args.xz_preset,
+    } | fields
+    if not args.keep_joined:
+        joined.unlink()
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    sums = [f"{p['sha256']}  {p['name']}" for p in parts]
+    (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    return manifest
+
+
+def check_closure(closure: Closure, args: argparse.Namespace) -> dict[str, Any]:
+    report = closure.as_dict()
+    if not closure.ok:
+        for key in ("missing", "conflicts"):
+            for line in report[key]:
+                log(f"{key}: {line}")
+        if not args.allow_unmet:
+            raise SystemExit("the carried set does not cover its own requirements (see above; --allow-unmet to go on)")
+    return report
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
@@ -547,52 +680,72 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         members.append((f"spec-{version}/{path.name}", target))
         spec_members.append(target)
 
-    closure = closure_report(carried, spec_members)
-    report = closure.as_dict()
-    if not closure.ok:
-        for key in ("missing", "conflicts"):
-            for line in report[key]:
-                log(f"{key}: {line}")
-        if not args.allow_unmet:
-            raise SystemExit("the carried set does not cover its own requirements (see above; --allow-unmet to go on)")
+    report = check_closure(closure_report(carried, spec_members), args)
+    fields = {"vllm": VLLM, "speculators": list(SPECULATORS), "stripped_from_vllm": stripped, "closure": report}
+    return pack(out, BUNDLE_NAME, members, args, args.part_mib, fields)
 
-    part_bytes = int(args.part_mib * MIB)
-    key = inputs_key(members, args.xz_preset, part_bytes)
-    manifest_path = out / "manifest.json"
-    if manifest_path.exists() and not args.force:
-        old = json.loads(manifest_path.read_text())
-        if old.get("inputs_key") == key and all(
-            (out / p["name"]).is_file() and (out / p["name"]).stat().st_size == p["bytes"] for p in old["parts"]
-        ):
-            log(f"bundle up to date in {out}")
-            old["closure"] = report
-            return dict(old)
 
-    for stale in out.glob(f"{BUNDLE_NAME}*"):
-        stale.unlink()
-    joined = out / BUNDLE_NAME
-    build_tar(members, joined, args.xz_preset, args.threads)
-    parts = split(joined, out, part_bytes)
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "inputs_key": key,
-        "joined": {"name": BUNDLE_NAME, "bytes": joined.stat().st_size, "sha256": sha256_file(joined)},
-        "parts": parts,
-        "vllm": VLLM,
-        "speculators": list(SPECULATORS),
-        "wheels": sorted(name for name, _ in members),
+def build_release(args: argparse.Namespace, version: str) -> dict[str, Any]:
+    """The release bundle of ``vllm==version``: its stripped wheel plus RELEASES[version], closure
+    checked over (release) + (the 0.22.1 bundle) + (device image); in ``<out>/r<version>/``."""
+    if version not in RELEASES:
+        raise SystemExit(f"no release bundle defined for vLLM {version} (RELEASES has {', '.join(RELEASES)})")
+    out: Path = args.out / f"r{version}"
+    wheels_dir, stored_dir = args.cache / "wheels", args.cache / "stored"
+    stored_dir.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    spec_vllm = f"vllm=={version}"
+    downloaded = download([spec_vllm, *RELEASES[version], *args.extra], wheels_dir)
+    base = download([VLLM, *DEPENDENCIES], wheels_dir)  # the 0.22.1 bundle's wheels (cached)
+
+    members: list[tuple[str, Path]] = []
+    stripped: list[str] = []
+    carried: list[Path] = []
+    for spec, path in downloaded.items():
+        target = stored_dir / path.name
+        dropped = restore_wheel(path, target, vllm_drop if spec == spec_vllm else keep_all)
+        if spec == spec_vllm:
+            stripped = dropped
+        members.append((f"wheels/{path.name}", target))
+        carried.append(target)
+    own = {wheel_metadata(p)[0] for p in carried}
+    not_carried = {k: v for k, v in NOT_CARRIED.items() if k not in own} | RELEASE_NOT_CARRIED
+    closure = closure_report(carried, [], base=list(base.values()), not_carried=not_carried)
+    report = check_closure(closure, args)
+    base_manifest = args.out / "manifest.json"
+    base_sha = json.loads(base_manifest.read_text())["joined"]["sha256"] if base_manifest.is_file() else None
+    fields = {
+        "release": version,
+        "vllm": spec_vllm,
+        "carries": sorted(RELEASES[version]) + list(args.extra),
         "stripped_from_vllm": stripped,
-        "uncompressed_bytes": sum(p.stat().st_size for _, p in members),
-        "xz_preset": args.xz_preset,
+        "base": {"vllm": VLLM, "joined_sha256": base_sha},
         "closure": report,
     }
-    if not args.keep_joined:
-        joined.unlink()
-    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
-    sums = [f"{p['sha256']}  {p['name']}" for p in parts]
-    (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
-    return manifest
+    return pack(out, f"sc_release_{version}.tar.xz", members, args, args.release_part_mib, fields)
+
+
+def summarize(manifest: dict[str, Any]) -> None:
+    closure = manifest["closure"]
+    log(
+        f"{manifest['vllm']}: requirements ok={closure['ok']}; not carried on purpose: {len(closure['not_carried'])}; "
+        f"accepted conflicts: {len(closure['accepted'])}; assumed on the device: {len(closure['assumed_on_device'])}"
+    )
+    for line in closure["accepted"]:
+        log(f"  accepted: {line}")
+    for line in closure["extras_unmet"]:
+        log(f"  note: {line}")
+    for line in closure["shadows_device"]:
+        log(f"  carried although the device has it: {line}")
+    for line in closure.get("shadows_base", []):
+        log(f"  shadows the 0.22.1 bundle's: {line}")
+    total = sum(p["bytes"] for p in manifest["parts"])
+    log(
+        f"{len(manifest['wheels'])} wheels, {manifest['uncompressed_bytes'] / MIB:.1f} MiB uncompressed -> "
+        f"{total / MIB:.2f} MiB in {len(manifest['parts'])} parts (one device call each):"
+    )
+    for part in manifest["parts"]:
+        log(f"  {part['name']}  {part['bytes'] / MIB:6.2f} MiB  sha256 {part['sha256'][:16]}…")
 
 
 def main() -> int:
@@ -607,31 +760,35 @@ def main() -> int:
     parser.add_argument("--force", action="store_true", help="rebuild the compressed bundle even if up to date")
     parser.add_argument("--keep-joined", action="store_true", help=f"keep {BUNDLE_NAME} next to its parts")
     parser.add_argument("--stage", action="store_true", help="copy part i into build/gpu_parts/p<i>/ for carry")
+    parser.add_argument(
+        "--release",
+        action="append",
+        default=[],
+        metavar="VERSION",
+        help=f"build the release bundle of vllm==VERSION instead ({', '.join(RELEASES)}; repeatable); "
+        "--stage puts it in build/gpu_parts/r<VERSION>/",
+    )
+    parser.add_argument(
+        "--release-part-mib",
+        type=float,
+        default=RELEASE_PART_MIB,
+        help=f"largest part of a release bundle, MiB (default {RELEASE_PART_MIB:g}: one call carries one part)",
+    )
     args = parser.parse_args()
     args.out = args.out.expanduser().resolve()
     args.cache = args.cache.expanduser().resolve()
     if REPO in args.out.parents or args.out == REPO:
         parser.error("--out must be outside the repository (it would travel with every device call)")
 
+    if args.release:
+        for version in args.release:
+            manifest = build_release(args, version)
+            summarize(manifest)
+            if args.stage:
+                stage(args.out / f"r{version}", manifest)
+        return 0
     manifest = build(args)
-    closure = manifest["closure"]
-    log(
-        f"requirements: ok={closure['ok']}; not carried on purpose: {len(closure['not_carried'])}; "
-        f"accepted conflicts: {len(closure['accepted'])}; assumed on the device: {len(closure['assumed_on_device'])}"
-    )
-    for line in closure["accepted"]:
-        log(f"  accepted: {line}")
-    for line in closure["extras_unmet"]:
-        log(f"  note: {line}")
-    for line in closure["shadows_device"]:
-        log(f"  carried although the device has it: {line}")
-    total = sum(p["bytes"] for p in manifest["parts"])
-    log(
-        f"{len(manifest['wheels'])} wheels, {manifest['uncompressed_bytes'] / MIB:.1f} MiB uncompressed -> "
-        f"{total / MIB:.2f} MiB in {len(manifest['parts'])} parts (one device call each):"
-    )
-    for part in manifest["parts"]:
-        log(f"  {part['name']}  {part['bytes'] / MIB:6.2f} MiB  sha256 {part['sha256'][:16]}…")
+    summarize(manifest)
     if args.stage:
         stage(args.out, manifest)
     return 0
