@@ -65,28 +65,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared_constants import ALL_LAYER_IDS, GPU_FAMILIES, MAX_MODEL_LEN, TESTED_SPECULATORS
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
-SPECULATORS = ("0.4.0.1", "0.3.0")
+SPECULATORS = TESTED_SPECULATORS
 FAMILIES = ("dense", "qwen3_moe", "deepseek_v3")  # the default plan
 # Issue 15's families (tests/tiny_models.py): every expert routed, the Kimi-K2.5 wrapper, quantized.
-ISSUE15_FAMILIES = (
-    "dense",
-    "qwen3_moe",
-    "qwen3_moe_all_experts",
-    "deepseek_v3",
-    "deepseek_v3_all_experts",
-    "kimi_k25",
-    "qwen3_moe_w4a16",
-    "deepseek_v3_fp8",
-)
+ISSUE15_FAMILIES = GPU_FAMILIES
 # Their kernels (Marlin W4A16 MoE, block-FP8 GEMMs) take 16-bit activations only; no CPU kernels.
 QUANTIZED_FAMILIES = ("qwen3_moe_w4a16", "deepseek_v3_fp8")
 DTYPES = ("float32", "bfloat16")
-# Every decoder layer of the 4-layer tiny models, deliberately unsorted (hidden_states[k] must be
-# layer LAYER_IDS[k]); all four so that the outlier report sees every layer's input and output.
-LAYER_IDS = [2, 0, 3, 1]
-MAX_MODEL_LEN = 256
+# Every decoder layer (shared_constants.ALL_LAYER_IDS), so the outlier report sees each layer's input and output.
+LAYER_IDS = list(ALL_LAYER_IDS)
 # (speculators, family, tp): the most informative first; each runs in float32 then bfloat16.
 PRIORITY = [("0.4.0.1", "dense", 1), ("0.4.0.1", "deepseek_v3", 1), ("0.4.0.1", "qwen3_moe", 2), ("0.3.0", "dense", 1)]
 # --plan issue15 (TP=1), per speculators version, 0.4.0.1 first: the strict verdicts that can pass,

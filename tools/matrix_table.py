@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
-from shared_constants import MATRIX_SPECULATORS
+from shared_constants import GPU_FAMILIES, MATRIX_SPECULATORS
 
 BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
 GPU_DOCS = Path(__file__).resolve().parents[1] / "docs" / "gpu"
@@ -130,16 +130,6 @@ def _gb(n: int | None) -> str:
 # The GPU column: issue-15 records in docs/gpu/*.json (tools/gpu_cells.py; one H200, official CUDA
 # wheels), each cell with vllm, speculators, family, tp, dtype and the strict verdict.pass. A later
 # file (runN sorted) replaces an earlier one's cell with the same key.
-GPU_FAMILIES = [
-    "dense",
-    "qwen3_moe",
-    "qwen3_moe_all_experts",
-    "deepseek_v3",
-    "deepseek_v3_all_experts",
-    "kimi_k25",
-    "qwen3_moe_w4a16",
-    "deepseek_v3_fp8",
-]
 
 
 # Cells no GPU release can run, shown as n/a rather than failed: vLLM's CUDA MLA backends

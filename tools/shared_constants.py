@@ -19,3 +19,16 @@ MAX_MODEL_LEN = 256
 TESTED_SPECULATORS = ("0.4.0.1", "0.3.0")
 # The version matrix's columns (tools/matrix.py cells, tools/matrix_table.py tables).
 MATRIX_SPECULATORS = ("0.4.0.1", "0.4.0", "0.3.0")
+# The GPU cells' model families (tests/tiny_models.py; tools/gpu_cells.py runs them, the GPU column
+# of tools/matrix_table.py shows them): dense, top-k MoE, every expert routed, MLA + MoE, the
+# Kimi-K2.5 wrapper, quantized.
+GPU_FAMILIES = (
+    "dense",
+    "qwen3_moe",
+    "qwen3_moe_all_experts",
+    "deepseek_v3",
+    "deepseek_v3_all_experts",
+    "kimi_k25",
+    "qwen3_moe_w4a16",
+    "deepseek_v3_fp8",
+)
