@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_constants import LAYER_IDS as SHARED_LAYER_IDS
+from shared_constants import MAX_MODEL_LEN
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("SPEC_COMPAT_TEST_CACHE", Path.home() / ".cache" / "spec_compat" / "tests"))
 SPECULATORS_ENV = "SPEC_COMPAT_SPECULATORS"  # "0.4.0.1=/dir,0.3.0=/dir" (pip install --target dirs)
-LAYER_IDS = [2, 0, 3]  # deliberately unsorted: hidden_states[k] must be layer LAYER_IDS[k]
-MAX_MODEL_LEN = 256
+LAYER_IDS = list(SHARED_LAYER_IDS)  # deliberately unsorted: hidden_states[k] must be layer LAYER_IDS[k]
 CHUNK_BUDGET = 64
 ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
@@ -109,7 +110,7 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(cell.tp)) if cell.tp > 1 else "0"
     env["VLLM_WORKER_MULTIPROC_METHOD"] = cell.method
     proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_cell.py"), str(spec_path), str(out_path)],
+        [sys.executable, str(HERE / "cells" / "engine_cell.py"), str(spec_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,

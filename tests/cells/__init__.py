@@ -1,5 +1,6 @@
-"""Scripts the tests run in fresh interpreters (``python tests/cells/cells/<name>.py ...``), not test modules.
+"""Scripts the tests run in fresh interpreters (``python tests/cells/<name>.py ...``), not test modules.
 
-A regular package so that ``tests/engine_cell.py`` (which stays beside ``engine_harness.py``, the
-path that runs it) imports ``cells.cell_main`` from here and never a same-named module elsewhere.
+Each runs with this folder as ``sys.path[0]``, so the scripts import their shared helpers
+(``cell_main``, ``outcomes``) as siblings; a regular package so that tests can also import them
+as ``cells.<name>``.
 """

@@ -1,6 +1,6 @@
 """One real-engine cell, run in a fresh interpreter (vLLM workers are spawned processes).
 
-Usage: python tests/engine_cell.py SPEC_JSON OUT_PT
+Usage: python tests/cells/engine_cell.py SPEC_JSON OUT_PT
 SPEC_JSON: {"model": dir, "tp": int, "layer_ids": [...], "prompts": [[...]], "chunk_budget": int,
             "chunk_prompts": [[...]], "apply": bool, "disable": [...], "max_model_len": int}
 Writes {"results": [...], "repeat_equal": bool, "chunked": [...] | error text, "timings": {...}}.
@@ -99,6 +99,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from cells.cell_main import run
+    from cell_main import run  # a sibling: this folder is sys.path[0]
 
     run(main)
