@@ -39,7 +39,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,10 @@ class WrapperFamily:
     vision_weights: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
     text_prefix: str
     files: dict[str, dict[str, Any]]
+    # Special tokens the wrapper's tokenizer holds at fixed ids (replacing the byte-pair merges
+    # there): vLLM's processor builds its profiling prompt from the placeholder's text, which must
+    # tokenize back to that one id (vLLM >= 0.25 reads Kimi-K2.5's from the tokenizer).
+    special_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def _kimi_k25_vision_weights(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -236,9 +240,19 @@ def _kimi_k25_vision_weights(config: dict[str, Any]) -> dict[str, tuple[int, ...
 # Token ids the wrapper reserves for media; above every id the tests' prompts use (3..499).
 _KIMI_MEDIA_IDS = {
     "image_token_id": 511,
+    "media_placeholder_token_id": 511,
     "video_token_id": 510,
     "vision_start_token_id": 509,
     "vision_end_token_id": 508,
+}
+# Kimi-K2.5's own media token texts at those ids (its placeholder string is
+# "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>").
+_KIMI_SPECIAL_TOKENS = {
+    "<|media_pad|>": 511,
+    "<|kimi_k25_video_placeholder|>": 510,
+    "<|media_begin|>": 509,
+    "<|media_end|>": 508,
+    "<|media_content|>": 507,
 }
 
 WRAPPER_FAMILIES: dict[str, WrapperFamily] = {
@@ -274,6 +288,7 @@ WRAPPER_FAMILIES: dict[str, WrapperFamily] = {
         },
         vision_weights=_kimi_k25_vision_weights,
         text_prefix="language_model.",
+        special_tokens=_KIMI_SPECIAL_TOKENS,
         files={
             # vLLM's Kimi-K2.5 image processor reads media_proc_cfg; a small patch limit keeps the
             # dummy image of its profiling run (3000x3000) to a few patches.
@@ -590,8 +605,9 @@ def reference_model_dir(model_dir: Path) -> Path:
     return reference
 
 
-def _build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE covering exactly ``VOCAB_SIZE`` ids, specials first."""
+def _build_tokenizer(special_tokens: dict[str, int] | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE covering exactly ``VOCAB_SIZE`` ids, specials first; ``special_tokens``
+    (text -> id, ids past the byte alphabet) take those ids instead of the merges there."""
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab: dict[str, int] = {}
     for token in [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *byte_chars]:
@@ -606,10 +622,21 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
         vocab[left + right] = len(vocab)
         merges.append((left, right))
     assert len(vocab) == VOCAB_SIZE
+    specials = special_tokens or {}
+    if specials:
+        first_merge = 3 + len(byte_chars)
+        if min(specials.values()) < first_merge or max(specials.values()) >= VOCAB_SIZE:
+            raise ValueError(f"special token ids must lie in [{first_merge}, {VOCAB_SIZE})")
+        by_id = {i: t for t, i in vocab.items()}
+        replaced = {by_id[i] for i in specials.values()}
+        merges = [m for m in merges if m[0] + m[1] not in replaced]
+        vocab = {t: i for t, i in vocab.items() if t not in replaced} | specials
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    if specials:
+        tokenizer.add_special_tokens(list(specials))  # already in the vocab: they keep their ids
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD_TOKEN,
@@ -630,6 +657,7 @@ def _build_hash(family: str, seed: int) -> str:
             "config": wrapper.config,
             "text_prefix": wrapper.text_prefix,
             "files": wrapper.files,
+            "special_tokens": wrapper.special_tokens,
         }
         return hashlib.sha256(json.dumps(wrapper_payload, sort_keys=True).encode()).hexdigest()
     if family in QUANTIZED_FAMILIES:
@@ -765,7 +793,8 @@ def build_model(family: str, out_dir: Path, seed: int = 0) -> Path:
         marker["reference_dir"] = reference_dir.name  # a sibling of out_dir
     else:
         _text_model(family, seed).save_pretrained(tmp_dir, safe_serialization=True)
-    _build_tokenizer().save_pretrained(tmp_dir)
+    specials = WRAPPER_FAMILIES[family].special_tokens if family in WRAPPER_FAMILIES else None
+    _build_tokenizer(specials).save_pretrained(tmp_dir)
     (tmp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
     if _is_built(out_dir, build_hash):  # another process finished first
