@@ -9,15 +9,16 @@ is in its environment. What happens in each process:
 * **start-up** (every Python child: ``pip``, ``python -c``, a spawned vLLM worker): one finder is
   put first on ``sys.meta_path`` and the shadowed ``sitecustomize`` runs; spec_compat itself is not
   imported (it costs ~60 ms), so a child that never imports speculators pays nothing measurable.
-* **first ``import speculators``** (``before_speculators_import``): the import-side adapters
+* **first ``import speculators``** (``before_speculators_import``, from the start-up hook's
+  finder: a *pre*-import hook, which wrapt does not offer): the import-side adapters
   (``apply_before_import()``: transformers' ``torch`` annotation, removed transformers modules,
   moved vLLM helpers) are applied before speculators' first line runs. This is what a spawned vLLM
   worker needs: multiprocessing's spawn re-imports the parent's ``__main__`` (which imports
   speculators at module level) before vLLM loads its plugins, and without it every worker died with
   ``PydanticUndefinedAnnotation: name 'torch' is not defined``.
-* **after speculators' generator module is imported** (not in vLLM workers started by
-  spec_compat's executor, which get the worker-side adapters from the vLLM plugin as before):
-  the full ``apply()`` (driver-side adapters and the preflight), unless the program already called
+* **after speculators' generator module is imported** (a ``wrapt`` post-import hook; not in vLLM
+  workers started by spec_compat's executor, which get the worker-side adapters from the vLLM
+  plugin as before): the full ``apply()`` (driver-side adapters and the preflight), unless the program already called
   ``spec_compat.apply()`` itself (its own options are kept).
 
 Failures: in the launched process itself (the one ``exec`` turned the launcher into: same pid), a
@@ -30,15 +31,14 @@ killed by the hook). Interpreters run with ``-E``/``-I`` (PYTHONPATH ignored) or
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+
+import wrapt
 
 from .options import DISABLE_ENV, DTYPE_ENV, VALID_DTYPES, VALID_LOG_LEVELS, WORKER_ENV, WORKER_LOG_ENV
 
@@ -174,7 +174,9 @@ def before_speculators_import() -> None:
 
     _guarded("applying the import-side adapters", import_side)
     if not is_spec_compat_worker():
-        sys.meta_path.insert(0, AfterImportHook(GENERATOR_MODULE, after_generator_import))  # type: ignore[arg-type]
+        # wrapt's post-import hook: after_generator_import runs once the generator module has
+        # executed (at once if it already has), and the module keeps its own loader (getsource).
+        wrapt.register_post_import_hook(after_generator_import, GENERATOR_MODULE)
 
 
 def after_generator_import(module: ModuleType) -> None:
@@ -197,58 +199,3 @@ def after_generator_import(module: ModuleType) -> None:
             )
 
     _guarded("spec_compat.apply()", full_apply)
-
-
-class _RunAfterExec(importlib.abc.Loader):
-    """Wraps a module's loader: runs ``after(module)`` once the module's code has run."""
-
-    def __init__(self, loader: Any, after: Callable[[ModuleType], None]) -> None:
-        self.loader = loader
-        self.after = after
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        created: ModuleType | None = self.loader.create_module(spec)
-        return created
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        # The module looks exactly as if imported without the hook (inspect.getsource, reloads).
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
-        self.after(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...
-        return getattr(self.loader, name)
-
-
-class AfterImportHook(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path`` until ``name`` is imported; then calls ``after(module)`` and leaves."""
-
-    def __init__(self, name: str, after: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.after = after
-        self.busy = False
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name or self.busy:
-            return None
-        self.busy = True
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self.busy = False
-        if spec is None or spec.loader is None:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec.loader = _RunAfterExec(spec.loader, self.after)
-        return spec
