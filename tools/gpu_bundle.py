@@ -663,16 +663,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     downloaded = download([VLLM, *deps], wheels_dir)
     spec_wheels = download([f"speculators=={v}" for v in SPECULATORS], wheels_dir)
 
-    members: list[tuple[str, Path]] = []
-    stripped: list[str] = []
-    carried: list[Path] = []
-    for spec, path in downloaded.items():
-        target = stored_dir / path.name
-        dropped = restore_wheel(path, target, vllm_drop if spec == VLLM else keep_all)
-        if spec == VLLM:
-            stripped = dropped
-        members.append((f"wheels/{path.name}", target))
-        carried.append(target)
+    members, carried, stripped = store_wheels(downloaded, VLLM, stored_dir)
     spec_members: list[Path] = []
     for version, (_, path) in zip(SPECULATORS, spec_wheels.items(), strict=True):
         target = stored_dir / path.name
@@ -683,6 +674,24 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     report = check_closure(closure_report(carried, spec_members), args)
     fields = {"vllm": VLLM, "speculators": list(SPECULATORS), "stripped_from_vllm": stripped, "closure": report}
     return pack(out, BUNDLE_NAME, members, args, args.part_mib, fields)
+
+
+def store_wheels(
+    downloaded: dict[str, Path], vllm_spec: str, stored_dir: Path
+) -> tuple[list[tuple[str, Path]], list[Path], list[str]]:
+    """Each downloaded wheel rewritten stored (the vLLM one stripped) into ``stored_dir``: the
+    bundle members (``wheels/<name>``), the rewritten wheels, and what was stripped from vLLM."""
+    members: list[tuple[str, Path]] = []
+    carried: list[Path] = []
+    stripped: list[str] = []
+    for spec, path in downloaded.items():
+        target = stored_dir / path.name
+        dropped = restore_wheel(path, target, vllm_drop if spec == vllm_spec else keep_all)
+        if spec == vllm_spec:
+            stripped = dropped
+        members.append((f"wheels/{path.name}", target))
+        carried.append(target)
+    return members, carried, stripped
 
 
 def build_release(args: argparse.Namespace, version: str) -> dict[str, Any]:
@@ -698,16 +707,7 @@ def build_release(args: argparse.Namespace, version: str) -> dict[str, Any]:
     downloaded = download([spec_vllm, *RELEASES[version], *args.extra], wheels_dir)
     base = download([VLLM, *DEPENDENCIES], wheels_dir)  # the 0.22.1 bundle's wheels (cached)
 
-    members: list[tuple[str, Path]] = []
-    stripped: list[str] = []
-    carried: list[Path] = []
-    for spec, path in downloaded.items():
-        target = stored_dir / path.name
-        dropped = restore_wheel(path, target, vllm_drop if spec == spec_vllm else keep_all)
-        if spec == spec_vllm:
-            stripped = dropped
-        members.append((f"wheels/{path.name}", target))
-        carried.append(target)
+    members, carried, stripped = store_wheels(downloaded, spec_vllm, stored_dir)
     own = {wheel_metadata(p)[0] for p in carried}
     not_carried = {k: v for k, v in NOT_CARRIED.items() if k not in own} | RELEASE_NOT_CARRIED
     closure = closure_report(carried, [], base=list(base.values()), not_carried=not_carried)
