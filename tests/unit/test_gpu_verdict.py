@@ -87,3 +87,21 @@ def test_continuous_routing_is_read_from_the_config() -> None:
     }
     assert len(continuous) == 5
     assert not any(routing_is_continuous(family_config(f)) for f in ("qwen3_moe", "deepseek_v3", "kimi_k25"))
+
+
+def test_w8a8_limits_widen_to_the_measured_spread_only_in_bfloat16(tmp_path: Path) -> None:
+    from gpu_cells import W8A8_LIMITS, cell_limits
+
+    from tiny_models import ACTIVATION_QUANTIZATION_FILE
+
+    spread = {"token_metric": {"rel_l2_max": 0.088, "cosine_min": 0.9961}}
+    plain_twin, w8a8_twin = tmp_path / "w4a16.dequantized", tmp_path / "fp8.dequantized"
+    plain_twin.mkdir()
+    w8a8_twin.mkdir()
+    (w8a8_twin / ACTIVATION_QUANTIZATION_FILE).write_text("{}")
+    assert cell_limits("bfloat16", w8a8_twin, spread) == (0.088, 0.995, W8A8_LIMITS)
+    assert cell_limits("bfloat16", plain_twin, spread) == (0.05, 0.995, "strict")  # W4A16: weights only
+    assert cell_limits("float32", w8a8_twin, spread) == (5e-3, None, "strict")
+    assert cell_limits("bfloat16", w8a8_twin, None) == (0.05, 0.995, "strict")  # nothing measured
+    narrow = {"token_metric": {"rel_l2_max": 0.01, "cosine_min": 0.9999}}
+    assert cell_limits("bfloat16", w8a8_twin, narrow) == (0.05, 0.995, W8A8_LIMITS)  # never below strict
