@@ -339,6 +339,23 @@ class QuantizedFamily:
 # % max(64, group size) == 0; block FP8 needs every merged / split output and every input a
 # multiple of 128 (q_lora_rank too: it is merged with kv_a_proj_with_mqa, whose 576 may be last).
 # Every expert routed, as the *_all_experts families: the strict per-token verdict can pass.
+_FP8_BASE = _derived(
+    "deepseek_v3_all_experts",
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    q_lora_rank=128,
+    # Smaller weights than the other families' 0.1: with W8A8's activation quantization the model
+    # is discontinuous, and at 0.1 its layers grow so fast that one input element crossing an FP8
+    # rounding boundary moves whole tokens (HF's own bfloat16 vs float32 on it: rel-L2 0.29-0.65
+    # per layer; at 0.02: 0.064-0.088).
+    initializer_range=0.02,
+)
+# What DeepSeek-V3's checkpoint quantizes: every projection but the router and embeddings.
+_FP8_QUANTIZED = (
+    r"\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
+)
 QUANTIZED_FAMILIES: dict[str, QuantizedFamily] = {
     "qwen3_moe_w4a16": QuantizedFamily(
         base=_derived("qwen3_moe_all_experts", hidden_size=256, intermediate_size=512, moe_intermediate_size=256),
@@ -346,28 +363,20 @@ QUANTIZED_FAMILIES: dict[str, QuantizedFamily] = {
         quantized=r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",
     ),
     "deepseek_v3_fp8": QuantizedFamily(
-        base=_derived(
-            "deepseek_v3_all_experts",
-            hidden_size=256,
-            intermediate_size=256,
-            moe_intermediate_size=128,
-            q_lora_rank=128,
-            # Smaller weights than the other families' 0.1: with W8A8's activation quantization the
-            # model is discontinuous, and at 0.1 its layers grow so fast that one input element
-            # crossing an FP8 rounding boundary moves whole tokens (HF's own bfloat16 vs float32 on
-            # it: rel-L2 0.29-0.65 per layer; at 0.02: 0.064-0.088).
-            initializer_range=0.02,
-        ),
+        base=_FP8_BASE,
         scheme="fp8_block",
-        # What DeepSeek-V3's checkpoint quantizes: every projection but the router and embeddings.
-        quantized=r"\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-        r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$",
+        quantized=_FP8_QUANTIZED,
         # The same projections as HF holds them: transformers 5 fuses the experts into
         # ``experts.gate_up_proj`` / ``experts.down_proj``.
         activation_inputs=r"\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight"
         r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj\.weight"
         r"|mlp\.experts\.(gate_up_proj|down_proj))$",
     ),
+    # The same checkpoint run through vLLM's weight-only FP8 Marlin kernels (W8A16: the GPU cells set
+    # VLLM_TEST_FORCE_FP8_MARLIN and disable the W8A8 block kernels), so HF on the plain dequantized
+    # twin is its exact reference: the checkpoint's loading (weights, weight_scale_inv, 128 x 128
+    # blocks) checked at the strict limits, apart from W8A8's activation quantization.
+    "deepseek_v3_fp8_w8a16": QuantizedFamily(base=_FP8_BASE, scheme="fp8_block", quantized=_FP8_QUANTIZED),
 }
 
 INT4_MAX = 7  # symmetric int4: values in [-8, 7]; scales from max|w| / 7

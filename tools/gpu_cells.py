@@ -74,7 +74,7 @@ FAMILIES = ("dense", "qwen3_moe", "deepseek_v3")  # the default plan
 # Issue 15's families (tests/tiny_models.py): every expert routed, the Kimi-K2.5 wrapper, quantized.
 ISSUE15_FAMILIES = GPU_FAMILIES
 # Their kernels (Marlin W4A16 MoE, block-FP8 GEMMs) take 16-bit activations only; no CPU kernels.
-QUANTIZED_FAMILIES = ("qwen3_moe_w4a16", "deepseek_v3_fp8")
+QUANTIZED_FAMILIES = ("qwen3_moe_w4a16", "deepseek_v3_fp8", "deepseek_v3_fp8_w8a16")
 DTYPES = ("float32", "bfloat16")
 # Every decoder layer (shared_constants.ALL_LAYER_IDS), so the outlier report sees each layer's input and output.
 LAYER_IDS = list(ALL_LAYER_IDS)
@@ -90,6 +90,7 @@ ISSUE15_ORDER = [
     ("kimi_k25", "bfloat16"),
     ("qwen3_moe_w4a16", "bfloat16"),
     ("deepseek_v3_fp8", "bfloat16"),
+    ("deepseek_v3_fp8_w8a16", "bfloat16"),
     ("qwen3_moe", "bfloat16"),
     ("deepseek_v3", "bfloat16"),
 ]
@@ -116,6 +117,18 @@ CELL_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+# Per family, the kernel path its reference assumes (--family-env adds to or overrides these).
+FAMILY_ENV: dict[str, dict[str, str]] = {
+    # W8A8 with float32 activation scales, as the reference computes (vLLM rounds them to powers of
+    # two on Hopper by default); no DeepGEMM JIT warm-up of every shape.
+    "deepseek_v3_fp8": {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_DEEP_GEMM_WARMUP": "skip"},
+    # Weight-only FP8 Marlin for the linears (the W8A8 block kernels ahead of it disabled) and the MoE.
+    "deepseek_v3_fp8_w8a16": {
+        "VLLM_TEST_FORCE_FP8_MARLIN": "1",
+        "VLLM_DISABLED_KERNELS": "FlashInferFp8DeepGEMMDynamicBlockScaledKernel,DeepGemmFp8BlockScaledMMKernel,"
+        "CutlassFp8BlockScaledMMKernel,TritonFp8BlockScaledMMKernel",
+    },
+}
 STATE_FILE = "gpu_cells_state.json"
 FINAL = ("pass", "mismatch", "failed", "timeout", "bad-record")
 # Log lines worth keeping in the summary: which kernels vLLM chose, memory, all-reduce.
@@ -651,6 +664,10 @@ def parse_spec_dirs(args: argparse.Namespace) -> dict[str, Path]:
     return dirs
 
 
+def family_env(args: argparse.Namespace, family: str) -> dict[str, str]:
+    return {**FAMILY_ENV.get(family, {}), **args.family_env_values.get(family, {})}
+
+
 def cell_env(session: Session, cell: Cell) -> dict[str, str]:
     env = dict(os.environ)
     env.update(CELL_ENV)
@@ -658,7 +675,7 @@ def cell_env(session: Session, cell: Cell) -> dict[str, str]:
         for key, value in CPU_ENV.items():
             env.setdefault(key, value)
     env.update(session.args.cell_env_values)
-    env.update(session.args.family_env_values.get(cell.family, {}))
+    env.update(family_env(session.args, cell.family))
     parts = [str(session.spec_dirs[cell.speculators]), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
     return env
@@ -752,7 +769,7 @@ def finish_cell(session: Session, run: Running, timed_out: bool) -> None:
         "gpu_memory_utilization": run.gpu_memory_utilization,
         "log_hints": log_hints(run.log_path),
         "kernels": log_hints(run.log_path, KERNEL_HINTS),
-        "family_env": session.args.family_env_values.get(run.cell.family, {}),
+        "family_env": family_env(session.args, run.cell.family),
     }
     if timed_out:
         entry["status"] = "timeout"

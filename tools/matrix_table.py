@@ -130,7 +130,7 @@ def _gb(n: int | None) -> str:
 
 # Cells no GPU release can run, shown as n/a rather than failed: vLLM's CUDA MLA backends
 # (FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA in 0.22.1) refuse float32 (docs/gpu/run5: the worker's init fails).
-MLA_FAMILIES = ("deepseek_v3", "deepseek_v3_all_experts", "kimi_k25", "deepseek_v3_fp8")
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v3_all_experts", "kimi_k25", "deepseek_v3_fp8", "deepseek_v3_fp8_w8a16")
 GPU_NOT_APPLICABLE = "float32 MLA: no CUDA MLA attention backend of vLLM takes float32"
 
 

@@ -31,4 +31,5 @@ GPU_FAMILIES = (
     "kimi_k25",
     "qwen3_moe_w4a16",
     "deepseek_v3_fp8",
+    "deepseek_v3_fp8_w8a16",
 )

@@ -105,3 +105,22 @@ def test_w8a8_limits_widen_to_the_measured_spread_only_in_bfloat16(tmp_path: Pat
     assert cell_limits("bfloat16", w8a8_twin, None) == (0.05, 0.995, "strict")  # nothing measured
     narrow = {"token_metric": {"rel_l2_max": 0.01, "cosine_min": 0.9999}}
     assert cell_limits("bfloat16", w8a8_twin, narrow) == (0.05, 0.995, W8A8_LIMITS)  # never below strict
+
+
+def test_family_env_defaults_and_overrides() -> None:
+    import argparse
+
+    from gpu_cells import FAMILY_ENV, family_env
+
+    args = argparse.Namespace(family_env_values={"deepseek_v3_fp8": {"VLLM_USE_DEEP_GEMM_E8M0": "1", "X": "y"}})
+    assert family_env(args, "deepseek_v3_fp8") == {
+        **FAMILY_ENV["deepseek_v3_fp8"],
+        "VLLM_USE_DEEP_GEMM_E8M0": "1",
+        "X": "y",
+    }
+    assert family_env(args, "dense") == {}
+    marlin = family_env(args, "deepseek_v3_fp8_w8a16")
+    assert (
+        marlin["VLLM_TEST_FORCE_FP8_MARLIN"] == "1"
+        and "DeepGemmFp8BlockScaledMMKernel" in marlin["VLLM_DISABLED_KERNELS"]
+    )
