@@ -425,8 +425,10 @@ def judge(
         verdict["criterion"] = f"every token's rel-L2 <= {max_rel} and cosine >= {min_cos}"
     verdict["values_ok"] = bool(ok)
     verdict["problems"] = bool(record.get("problems"))
-    sound = verdict["input_order_ok"] and verdict["count_ok"] and not verdict["problems"]
-    verdict["pass"] = bool(ok and sound)  # settle_verdict decides for a cell over the limit
+    if ok:
+        settle_verdict(verdict, cell.dtype, None)
+    else:
+        verdict["pass"] = False  # until settle_verdict reads the cell's outlier report
     return verdict
 
 

@@ -158,22 +158,29 @@ def load_gpu(gpu_docs: Path) -> dict[str, dict[tuple[str, str, int, str], dict[s
     return cells
 
 
-def gpu_summary(cells: dict[tuple[str, str, int, str], dict[str, Any]] | None, tp: int = 1) -> str:
-    """One release's TP=``tp`` GPU cells: families whose every cell passes its strict verdict."""
-    if not cells:
-        return "not run"
+def gpu_by_family(
+    cells: dict[tuple[str, str, int, str], dict[str, Any]] | None, tp: int = 1
+) -> dict[str, list[dict[str, Any]]]:
+    """One release's TP=``tp`` GPU cells per family, in GPU_FAMILIES order."""
     by_family: dict[str, list[dict[str, Any]]] = {}
-    for (_, family, cell_tp, _), cell in cells.items():
+    for (_, family, cell_tp, _), cell in (cells or {}).items():
         if cell_tp == tp:
             by_family.setdefault(family, []).append(cell)
+    return {f: by_family[f] for f in GPU_FAMILIES if f in by_family}
+
+
+def _passed(cells: list[dict[str, Any]]) -> int:
+    return sum(bool(c.get("verdict", {}).get("pass")) for c in cells)
+
+
+def gpu_summary(cells: dict[tuple[str, str, int, str], dict[str, Any]] | None, tp: int = 1) -> str:
+    """One release's TP=``tp`` GPU cells: families whose every cell passes its strict verdict."""
+    by_family = gpu_by_family(cells, tp)
     if not by_family:
         return "not run"
-    passing = [
-        f for f in GPU_FAMILIES if f in by_family and all(c.get("verdict", {}).get("pass") for c in by_family[f])
-    ]
-    failing = [f for f in GPU_FAMILIES if f in by_family and f not in passing]
+    failing = [f for f, got in by_family.items() if _passed(got) < len(got)]
     count = sum(len(v) for v in by_family.values())
-    text = f"{len(passing)}/{len(by_family)} families pass ({count} cells)"
+    text = f"{len(by_family) - len(failing)}/{len(by_family)} families pass ({count} cells)"
     return text + (f"; not: {', '.join(failing)}" if failing else "")
 
 
@@ -215,12 +222,13 @@ def markdown(records: list[dict[str, Any]]) -> str:
         ]
         for version in sorted(gpu, key=Version):
             row = []
+            by_family = gpu_by_family(gpu[version])
             for family in GPU_FAMILIES:
-                got = [c for (_, f, tp, _), c in gpu[version].items() if f == family and tp == 1]
+                got = by_family.get(family)
                 if not got:
                     row.append("-")
                     continue
-                passed = sum(bool(c.get("verdict", {}).get("pass")) for c in got)
+                passed = _passed(got)
                 row.append(f"{'pass' if passed == len(got) else 'FAIL'} {passed}/{len(got)}")
             lines.append(f"| {version} | " + " | ".join(row) + " |")
     lines += ["", "Adapters active per release (from the preflight; `*` = only with speculators 0.3.0):", ""]
