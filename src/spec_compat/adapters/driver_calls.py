@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-
 from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
 from ..options import Context
 from ..patching import Patcher
 from .probe import Probe
 from .speculators_code import call_sites, generator_module
-from .unit import Adapter
+from .unit import SPECULATORS_0_3_ONLY, Adapter
 
 
 def install_call_adapter(
@@ -137,7 +135,7 @@ PREFIX_CACHING_OFF = Adapter(
     delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_prefix_caching_off,
     apply=apply_prefix_caching_off,
-    speculators=SpecifierSet("<0.4"),
+    speculators=SPECULATORS_0_3_ONLY,
 )
 
 

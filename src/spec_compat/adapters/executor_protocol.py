@@ -11,13 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-
 from ..options import Context
 from . import speculators_code
 from .executor_switches import switch_on
 from .probe import Probe
-from .unit import Adapter
+from .unit import SPECULATORS_0_3_ONLY, Adapter
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -90,7 +88,7 @@ EXECUTOR_SAMPLE_TOKENS = Adapter(
     delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_sample_tokens,
     apply=apply_sample_tokens,
-    speculators=SpecifierSet("<0.4"),
+    speculators=SPECULATORS_0_3_ONLY,
 )
 
 

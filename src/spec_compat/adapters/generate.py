@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import wrapt
-from packaging.specifiers import SpecifierSet
 
 from ..contract import check_results
 from ..errors import IncompatibleError
@@ -25,7 +24,7 @@ from ..timing import OwnTime
 from . import speculators_code
 from .probe import Probe
 from .speculators_code import generator_module
-from .unit import Adapter
+from .unit import SPECULATORS_0_3_ONLY, SPECULATORS_0_4_ONLY, Adapter
 
 GeneratorMethod = Callable[..., Any]
 
@@ -329,7 +328,7 @@ INPUT_ORDER = Adapter(
     apply=apply_input_order,
     # once over the whole batch's results, after the splitting wrappers joined their parts
     after=("single-step-batches", "sequence-limit"),
-    speculators=SpecifierSet(">=0.4,<0.5"),
+    speculators=SPECULATORS_0_4_ONLY,
 )
 
 
@@ -482,7 +481,7 @@ SINGLE_STEP_BATCHES = Adapter(
     delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_single_step,
     apply=apply_single_step,
-    speculators=SpecifierSet("<0.4"),
+    speculators=SPECULATORS_0_3_ONLY,
 )
 
 

@@ -29,6 +29,10 @@ from .probe import Probe
 Side = Literal["import", "worker", "worker-process", "driver"]
 # The default range: every release from the oldest supported one (the feature probe decides there).
 SUPPORTED_SPECULATORS = SpecifierSet(">=0.3.0")
+# The ranges of adapters for one speculators line's code (a pre-release counts as the release it
+# leads to: speculators_excludes): 0.3.0's (deleted with its support), 0.4.x's.
+SPECULATORS_0_3_ONLY = SpecifierSet("<0.4")
+SPECULATORS_0_4_ONLY = SpecifierSet(">=0.4,<0.5")
 
 
 @dataclass(frozen=True)

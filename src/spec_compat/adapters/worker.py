@@ -13,7 +13,6 @@ from itertools import islice
 from typing import Any
 
 import wrapt
-from packaging.specifiers import SpecifierSet
 
 from .. import transfer
 from ..options import Context
@@ -22,7 +21,7 @@ from ..remote_errors import EncodedWorkerException, encode
 from . import speculators_code
 from .probe import Probe
 from .speculators_code import worker_module
-from .unit import Adapter
+from .unit import SPECULATORS_0_3_ONLY, Adapter
 
 logger = logging.getLogger("spec_compat.worker")
 
@@ -125,7 +124,7 @@ CAPTURE_GATE = Adapter(
     delete_when="speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)",
     probe=probe_capture_gate,
     apply=apply_capture_gate,
-    speculators=SpecifierSet("<0.4"),
+    speculators=SPECULATORS_0_3_ONLY,
 )
 
 
@@ -461,7 +460,7 @@ BATCH_ORDER_LOG = Adapter(
     delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_batch_order_log,
     apply=apply_batch_order_log,
-    speculators=SpecifierSet("<0.4"),
+    speculators=SPECULATORS_0_3_ONLY,
 )
 
 
