@@ -224,9 +224,6 @@ def probe_worker_adapters(ctx: Context) -> Probe:
     return Probe(True, "worker processes need the worker-side adapters (spawned workers do not inherit patches)")
 
 
-apply_worker_adapters = switch_on("executor", "worker_options_json", lambda ctx: ctx.options.to_json())
-
-
 EXECUTOR = Adapter(
     id="executor",
     side="driver",
@@ -238,5 +235,5 @@ EXECUTOR = Adapter(
     detect="always",
     delete_when="the last executor-* adapter is deleted",
     probe=probe_worker_adapters,
-    apply=apply_worker_adapters,
+    apply=switch_on("executor", "worker_options_json", lambda ctx: ctx.options.to_json()),
 )

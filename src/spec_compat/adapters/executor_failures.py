@@ -89,9 +89,6 @@ def probe_all_ranks_reply(ctx: Context) -> Probe:
     )
 
 
-apply_all_ranks_reply = switch_on("executor-all-ranks-reply", "all_ranks_reply")
-
-
 EXECUTOR_ALL_RANKS_REPLY = Adapter(
     id="executor-all-ranks-reply",
     side="driver",
@@ -101,5 +98,5 @@ EXECUTOR_ALL_RANKS_REPLY = Adapter(
     detect="always",
     delete_when="vLLM reports failures from every rank",
     probe=probe_all_ranks_reply,
-    apply=apply_all_ranks_reply,
+    apply=switch_on("executor-all-ranks-reply", "all_ranks_reply"),
 )

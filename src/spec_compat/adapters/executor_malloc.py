@@ -43,9 +43,6 @@ def probe_worker_malloc(ctx: Context) -> Probe:
     )
 
 
-apply_worker_malloc = switch_on("worker-malloc-retain", "worker_malloc_env", WORKER_MALLOC_ENV)
-
-
 WORKER_MALLOC_RETAIN = Adapter(
     id="worker-malloc-retain",
     side="driver",
@@ -57,5 +54,5 @@ WORKER_MALLOC_RETAIN = Adapter(
     detect="platform is cpu (captures in host memory) and the variables are not all set by the user",
     delete_when="speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc",
     probe=probe_worker_malloc,
-    apply=apply_worker_malloc,
+    apply=switch_on("worker-malloc-retain", "worker_malloc_env", WORKER_MALLOC_ENV),
 )

@@ -55,9 +55,6 @@ def probe_read_once_reply(ctx: Context) -> Probe:
     )
 
 
-apply_read_once_reply = switch_on("rpc-reply-read-once", "read_once_replies")
-
-
 RPC_REPLY_READ_ONCE = Adapter(
     id="rpc-reply-read-once",
     side="driver",
@@ -68,5 +65,5 @@ RPC_REPLY_READ_ONCE = Adapter(
     detect="AST: generate() reads the unique reply by key at one place, inside a for loop",
     delete_when="speculators releases the reply entries itself (or stops cloning tensors it owns)",
     probe=probe_read_once_reply,
-    apply=apply_read_once_reply,
+    apply=switch_on("rpc-reply-read-once", "read_once_replies"),
 )

@@ -55,9 +55,6 @@ def probe_shared_memory_replies(ctx: Context) -> Probe:
     )
 
 
-apply_shared_memory_replies = switch_on("executor-shared-memory-replies", "shared_memory_replies")
-
-
 EXECUTOR_SHARED_MEMORY_REPLIES = Adapter(
     id="executor-shared-memory-replies",
     side="driver",
@@ -69,5 +66,5 @@ EXECUTOR_SHARED_MEMORY_REPLIES = Adapter(
     detect="POSIX flock and mmap (Linux, macOS)",
     delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
     probe=probe_shared_memory_replies,
-    apply=apply_shared_memory_replies,
+    apply=switch_on("executor-shared-memory-replies", "shared_memory_replies"),
 )

@@ -250,9 +250,6 @@ def probe_rpc_deadline(ctx: Context) -> Probe:
     )
 
 
-apply_rpc_deadline = switch_on("executor-rpc-deadline", "rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s)
-
-
 EXECUTOR_RPC_DEADLINE = Adapter(
     id="executor-rpc-deadline",
     side="driver",
@@ -267,7 +264,7 @@ EXECUTOR_RPC_DEADLINE = Adapter(
     detect="collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)",
     delete_when="vLLM gives every worker RPC a deadline and reports the stuck ranks",
     probe=probe_rpc_deadline,
-    apply=apply_rpc_deadline,
+    apply=switch_on("executor-rpc-deadline", "rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s),
 )
 
 
