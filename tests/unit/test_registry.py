@@ -23,7 +23,7 @@ ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
 # Where the adapter id a patch is recorded under stands: patcher.<method>(id, ...),
 # <helper>(ctx, patcher, id, ...) and switch_on(id, ...).
 PATCHER_METHODS = {"replace", "add", "add_item", "on_revert"}
-ID_POSITIONS = {"set_flag": 2, "wrap_method": 2, "install_call_adapter": 2, "switch_on": 0}
+ID_POSITIONS = {"set_flag": 2, "wrap_method": 2, "wrap_generate": 2, "install_call_adapter": 2, "switch_on": 0}
 # The generate() wrappers, innermost first (the order speculators' generate is wrapped in).
 GENERATE_WRAPPERS = (
     "single-step-batches",

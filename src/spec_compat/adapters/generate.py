@@ -11,7 +11,7 @@ import math
 import warnings
 from array import array
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import wrapt
@@ -27,6 +27,8 @@ from .speculators_code import generator_module
 from .unit import SPECULATORS_0_3_ONLY, SPECULATORS_0_4_ONLY, Adapter
 
 GeneratorMethod = Callable[..., Any]
+# The generate a wrapper wraps, called on a batch with the caller's other arguments (wrap_generate).
+Run = Callable[[Any], Any]
 
 
 def wrap_method(
@@ -50,6 +52,24 @@ def wrap_method(
             return body(*args, **kwargs) if instance is None else body(instance, *args, **kwargs)
 
     patcher.replace(adapter_id, cls, name, wrapt.FunctionWrapper(vars(cls).get(name, original), call))
+
+
+def wrap_generate(ctx: Context, patcher: Patcher, adapter_id: str, body: Callable[[Any, Any, Run], Any]) -> None:
+    """Install ``body(generator, token_ids, run)`` as ``generate`` (through ``wrap_method``):
+    ``run(batch)`` calls the generate it wraps on ``batch`` with the caller's other arguments."""
+
+    def make(original: GeneratorMethod) -> GeneratorMethod:
+        def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            return body(self, token_ids, lambda batch: original(self, batch, *args, **kwargs))
+
+        return generate
+
+    wrap_method(ctx, patcher, adapter_id, "generate", make)
+
+
+def run_in_parts(run: Run, parts: Iterable[Any]) -> list[Any]:
+    """The results of ``run`` on each part, in order, as one list."""
+    return [result for part in parts for result in run(part)]
 
 
 # ---- input validation ---------------------------------------------------------------------------------
@@ -108,6 +128,12 @@ def _max_prompt_len(generator: Any) -> int:
     return int(generator.vllm_config.model_config.max_model_len) - 1  # max_tokens=1 must still fit
 
 
+def _as_run(generator: Any, token_ids: Sequence[Any]) -> list[list[int]]:
+    """The inputs as speculators runs them: each cut to max_model_len - 1 tokens."""
+    limit = _max_prompt_len(generator)
+    return [list(ids)[:limit] for ids in token_ids]
+
+
 def _refuse_unschedulable(generator: Any, lengths: list[int]) -> None:
     """Without chunked prefill a prompt longer than one step's token budget is never scheduled:
     the generator would stop with its states missing. vLLM turns chunked prefill off by itself
@@ -131,23 +157,20 @@ def probe_input_validation(ctx: Context) -> Probe:
 
 
 def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
-    def make(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            batch = normalise_token_ids(token_ids, _vocab_size(self))
-            limit = _max_prompt_len(self)
-            _refuse_unschedulable(self, [min(len(ids), limit) for ids in batch])
-            too_long = [i for i, ids in enumerate(batch) if len(ids) > limit]
-            if too_long:
-                warnings.warn(
-                    f"{len(too_long)} sequence(s) (indices {too_long[:10]}) are longer than "
-                    f"max_model_len - 1 = {limit} tokens and are truncated to it, as speculators does",
-                    stacklevel=2,
-                )
-            return original(self, batch, *args, **kwargs)
+    def validated(generator: Any, token_ids: Any, run: Run) -> Any:
+        batch = normalise_token_ids(token_ids, _vocab_size(generator))
+        limit = _max_prompt_len(generator)
+        _refuse_unschedulable(generator, [min(len(ids), limit) for ids in batch])
+        too_long = [i for i, ids in enumerate(batch) if len(ids) > limit]
+        if too_long:
+            warnings.warn(
+                f"{len(too_long)} sequence(s) (indices {too_long[:10]}) are longer than "
+                f"max_model_len - 1 = {limit} tokens and are truncated to it, as speculators does",
+                stacklevel=2,
+            )
+        return run(batch)
 
-        return generate
-
-    wrap_method(ctx, patcher, "input-validation", "generate", make)
+    wrap_generate(ctx, patcher, "input-validation", validated)
 
 
 INPUT_VALIDATION = Adapter(
@@ -220,26 +243,23 @@ def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
 
         return _create_vllm_config
 
-    def make_generate(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            results = original(self, token_ids, *args, **kwargs)
-            requested = list(self.layer_ids)
-            captured = sorted(requested)
-            if requested == captured or not isinstance(results, list):
-                return results
-            position = {layer: k for k, layer in enumerate(captured)}
-            for result in results:
-                states = result.get("hidden_states") if isinstance(result, dict) else None
-                if isinstance(states, list) and len(states) == len(captured):
-                    result["hidden_states"] = [states[position[layer]] for layer in requested]
+    def in_requested_order(generator: Any, token_ids: Any, run: Run) -> Any:
+        results = run(token_ids)
+        requested = list(generator.layer_ids)
+        captured = sorted(requested)
+        if requested == captured or not isinstance(results, list):
             return results
-
-        return generate
+        position = {layer: k for k, layer in enumerate(captured)}
+        for result in results:
+            states = result.get("hidden_states") if isinstance(result, dict) else None
+            if isinstance(states, list) and len(states) == len(captured):
+                result["hidden_states"] = [states[position[layer]] for layer in requested]
+        return results
 
     wrap_method(ctx, patcher, "layer-ids", "__init__", make_init)
     if hasattr(generator_module(ctx).VllmHiddenStatesGenerator, "_create_vllm_config"):
         wrap_method(ctx, patcher, "layer-ids", "_create_vllm_config", make_create_config)
-    wrap_method(ctx, patcher, "layer-ids", "generate", make_generate)
+    wrap_generate(ctx, patcher, "layer-ids", in_requested_order)
 
 
 LAYER_IDS = Adapter(
@@ -303,17 +323,13 @@ def reorder_to_inputs(results: list[Any], inputs: list[list[int]]) -> list[Any]:
 
 
 def apply_input_order(ctx: Context, patcher: Patcher) -> None:
-    def make(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
-            results = original(self, token_ids, *args, **kwargs)
-            if not isinstance(results, list) or not all(isinstance(r, dict) and "input_ids" in r for r in results):
-                return results
-            limit = _max_prompt_len(self)
-            return reorder_to_inputs(results, [list(ids)[:limit] for ids in token_ids])
+    def in_input_order(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
+        results = run(token_ids)
+        if not isinstance(results, list) or not all(isinstance(r, dict) and "input_ids" in r for r in results):
+            return results
+        return reorder_to_inputs(results, _as_run(generator, token_ids))
 
-        return generate
-
-    wrap_method(ctx, patcher, "input-order", "generate", make)
+    wrap_generate(ctx, patcher, "input-order", in_input_order)
 
 
 INPUT_ORDER = Adapter(
@@ -346,19 +362,13 @@ def probe_sequence_limit(ctx: Context) -> Probe:
 
 
 def apply_sequence_limit(ctx: Context, patcher: Patcher) -> None:
-    def make(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
-            limit = int(getattr(self.scheduler, "max_num_running_reqs", 0) or len(token_ids))
-            if len(token_ids) <= limit:
-                return original(self, token_ids, *args, **kwargs)
-            results: list[Any] = []
-            for start in range(0, len(token_ids), limit):
-                results.extend(original(self, token_ids[start : start + limit], *args, **kwargs))
-            return results
+    def in_running_slots(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
+        limit = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or len(token_ids))
+        if len(token_ids) <= limit:
+            return run(token_ids)
+        return run_in_parts(run, (token_ids[start : start + limit] for start in range(0, len(token_ids), limit)))
 
-        return generate
-
-    wrap_method(ctx, patcher, "sequence-limit", "generate", make)
+    wrap_generate(ctx, patcher, "sequence-limit", in_running_slots)
 
 
 SEQUENCE_LIMIT = Adapter(
@@ -440,34 +450,31 @@ def _verify_single_step(executor: Any, request_lengths: list[int], steps_before:
 
 
 def apply_single_step(ctx: Context, patcher: Patcher) -> None:
-    def make(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
-            limit = _max_prompt_len(self)
-            batch = [list(ids)[:limit] for ids in token_ids]
-            scheduler = self.scheduler
-            cache_config = self.vllm_config.cache_config
-            num_blocks = getattr(cache_config, "num_gpu_blocks", None)
-            block_size = int(cache_config.block_size)
-            plan = plan_single_step_batches(
-                [len(ids) for ids in batch],
-                max_tokens=int(scheduler.max_num_scheduled_tokens),
-                max_seqs=int(scheduler.max_num_running_reqs),
-                max_kv_tokens=(int(num_blocks) - 1) * block_size if num_blocks else None,
-                block_size=block_size,
-            )
-            results: list[Any] = []
-            for indices in plan:
-                sub_batch = [batch[i] for i in indices]
-                steps_before = len(getattr(self.executor, "step_log", []))
-                results.extend(original(self, sub_batch, *args, **kwargs))
-                if hasattr(self.executor, "step_log"):
-                    _verify_single_step(self.executor, [len(ids) for ids in sub_batch], steps_before)
-                _verify_worker_order(self)
+    def in_single_steps(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
+        batch = _as_run(generator, token_ids)
+        scheduler = generator.scheduler
+        cache_config = generator.vllm_config.cache_config
+        num_blocks = getattr(cache_config, "num_gpu_blocks", None)
+        block_size = int(cache_config.block_size)
+        plan = plan_single_step_batches(
+            [len(ids) for ids in batch],
+            max_tokens=int(scheduler.max_num_scheduled_tokens),
+            max_seqs=int(scheduler.max_num_running_reqs),
+            max_kv_tokens=(int(num_blocks) - 1) * block_size if num_blocks else None,
+            block_size=block_size,
+        )
+
+        def run_verified(sub_batch: list[list[int]]) -> Any:
+            steps_before = len(getattr(generator.executor, "step_log", []))
+            results = run(sub_batch)
+            if hasattr(generator.executor, "step_log"):
+                _verify_single_step(generator.executor, [len(ids) for ids in sub_batch], steps_before)
+            _verify_worker_order(generator)
             return results
 
-        return generate
+        return run_in_parts(run_verified, ([batch[i] for i in indices] for indices in plan))
 
-    wrap_method(ctx, patcher, "single-step-batches", "generate", make)
+    wrap_generate(ctx, patcher, "single-step-batches", in_single_steps)
 
 
 SINGLE_STEP_BATCHES = Adapter(
@@ -531,29 +538,25 @@ def _finite_counts(generator: Any) -> tuple[int, int] | None:
 
 
 def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
-    def make(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
-            before = _finite_counts(self)
-            results = original(self, token_ids, *args, **kwargs)
-            after = _finite_counts(self)
-            # The worker checked every value of every reply of this call where it was (on the
-            # device, before the copy): the driver keeps only the cheap checks. Otherwise (no
-            # shared-memory transfer, or a NaN/Inf found there) the full check runs here and names
-            # the request and the layer.
-            worker_checked = before is not None and after is not None and after[0] > before[0] and after[1] == before[1]
-            limit = _max_prompt_len(self)
-            check_results(
-                results,
-                [list(ids)[:limit] for ids in token_ids],
-                list(self.layer_ids),
-                _hidden_size(self),
-                check_finite=not worker_checked,
-            )
-            return results
+    def checked(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
+        before = _finite_counts(generator)
+        results = run(token_ids)
+        after = _finite_counts(generator)
+        # The worker checked every value of every reply of this call where it was (on the
+        # device, before the copy): the driver keeps only the cheap checks. Otherwise (no
+        # shared-memory transfer, or a NaN/Inf found there) the full check runs here and names
+        # the request and the layer.
+        worker_checked = before is not None and after is not None and after[0] > before[0] and after[1] == before[1]
+        check_results(
+            results,
+            _as_run(generator, token_ids),
+            list(generator.layer_ids),
+            _hidden_size(generator),
+            check_finite=not worker_checked,
+        )
+        return results
 
-        return generate
-
-    wrap_method(ctx, patcher, "results-contract", "generate", make)
+    wrap_generate(ctx, patcher, "results-contract", checked)
 
 
 RESULTS_CONTRACT = Adapter(

@@ -42,7 +42,7 @@ from ..errors import WorkerTimeout
 from ..options import Context
 from ..patching import Patcher
 from .executor_switches import switch_on
-from .generate import GeneratorMethod, wrap_method
+from .generate import Run, wrap_generate
 from .probe import Probe
 from .unit import Adapter
 
@@ -428,16 +428,13 @@ def probe_signal_shutdown(ctx: Context) -> Probe:
 
 
 def apply_signal_shutdown(ctx: Context, patcher: Patcher) -> None:
-    def make(original: GeneratorMethod) -> GeneratorMethod:
-        def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
-                return original(self, *args, **kwargs)  # signal handlers live in the main thread
-            with SignalShutdown(getattr(self, "executor", None)):
-                return original(self, *args, **kwargs)
+    def with_signal_shutdown(generator: Any, token_ids: Any, run: Run) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return run(token_ids)  # signal handlers live in the main thread
+        with SignalShutdown(getattr(generator, "executor", None)):
+            return run(token_ids)
 
-        return generate
-
-    wrap_method(ctx, patcher, "generate-signal-shutdown", "generate", make)
+    wrap_generate(ctx, patcher, "generate-signal-shutdown", with_signal_shutdown)
 
 
 GENERATE_SIGNAL_SHUTDOWN = Adapter(
