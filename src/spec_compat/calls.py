@@ -64,6 +64,12 @@ class KeywordPlan:
     def __bool__(self) -> bool:
         return bool(self.drop or self.add or self.override)
 
+    @classmethod
+    def add_where_accepted(cls, target: Callable[..., Any], name: str, value_fn: ValueFn) -> KeywordPlan:
+        """Add ``name`` where ``target`` takes it, drop it where it does not: the plan for a
+        keyword that some releases require and others do not have."""
+        return cls(add={name: value_fn}) if accepts(target, name) else cls(drop=frozenset({name}))
+
 
 class CallAdapter:
     """Calls ``target`` with adapted keywords; ``after`` may post-process the result."""

@@ -6,7 +6,7 @@ vLLM), so other vLLM callers in the process are unaffected.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
 from ..options import Context
@@ -27,6 +27,18 @@ def install_call_adapter(
 def passes_keyword(ctx: Context, callee: str, keyword: str) -> bool:
     """Whether the generator module's calls of ``callee`` pass ``keyword`` (read from its source)."""
     return any(keyword in site.keywords for site in call_sites(generator_module(ctx)) if site.callee == callee)
+
+
+def keyword_mismatch(ctx: Context, callee: str, keyword: str) -> Literal["missing", "unexpected"] | None:
+    """How the generator module's calls of ``callee`` and its signature disagree on ``keyword``:
+    ``"missing"`` (required, not passed), ``"unexpected"`` (passed, not accepted), None (they agree)."""
+    target = innermost(getattr(generator_module(ctx), callee))
+    passes = passes_keyword(ctx, callee, keyword)
+    if required(target, keyword) and not passes:
+        return "missing"
+    if passes and not accepts(target, keyword):
+        return "unexpected"
+    return None
 
 
 # ---- Request(eos_token_id=..., block_hasher=...) -------------------------------------------------
@@ -68,21 +80,17 @@ REQUEST_KWARGS = Adapter(
 
 
 def probe_scheduler_config_encoder_decoder(ctx: Context) -> Probe:
-    target = innermost(generator_module(ctx).SchedulerConfig)
-    passes = passes_keyword(ctx, "SchedulerConfig", "is_encoder_decoder")
-    if required(target, "is_encoder_decoder") and not passes:
+    mismatch = keyword_mismatch(ctx, "SchedulerConfig", "is_encoder_decoder")
+    if mismatch == "missing":
         return Probe(True, "SchedulerConfig requires is_encoder_decoder; speculators does not pass it")
-    if passes and not accepts(target, "is_encoder_decoder"):
+    if mismatch == "unexpected":
         return Probe(True, "speculators passes is_encoder_decoder; this SchedulerConfig has no such field")
     return Probe(False, "SchedulerConfig binds the speculators call as is")
 
 
 def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: Patcher) -> None:
     target = innermost(generator_module(ctx).SchedulerConfig)
-    if accepts(target, "is_encoder_decoder"):
-        plan = KeywordPlan(add={"is_encoder_decoder": lambda kw: False})
-    else:
-        plan = KeywordPlan(drop=frozenset({"is_encoder_decoder"}))
+    plan = KeywordPlan.add_where_accepted(target, "is_encoder_decoder", lambda kw: False)
     install_call_adapter(ctx, patcher, "scheduler-config-encoder-decoder", "SchedulerConfig", plan)
 
 
@@ -222,13 +230,12 @@ def _resolved_block_sizes(kwargs: dict[str, Any]) -> tuple[int, int | None]:
 
 
 def probe_scheduler_block_size(ctx: Context) -> Probe:
-    target = innermost(generator_module(ctx).Scheduler)
-    passes = passes_keyword(ctx, "Scheduler", "block_size")
-    if required(target, "block_size") and not passes:
+    mismatch = keyword_mismatch(ctx, "Scheduler", "block_size")
+    if mismatch == "missing":
         return Probe(True, "Scheduler requires block_size (vLLM >= 0.11.2); speculators does not pass it")
-    if passes and not accepts(target, "block_size"):
+    if mismatch == "unexpected":
         return Probe(True, "speculators passes block_size; this Scheduler does not take it")
-    if passes:
+    if passes_keyword(ctx, "Scheduler", "block_size"):
         return Probe(True, "speculators passes its hard-coded block size; the KV cache's resolved one is used")
     return Probe(False, "Scheduler takes no block size")
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import wrapt
 
-from ..calls import KeywordPlan, accepts, innermost, required
+from ..calls import KeywordPlan, innermost
 from ..options import Context
 from ..patching import Patcher
 from . import speculators_code
-from .driver_calls import install_call_adapter, passes_keyword
+from .driver_calls import install_call_adapter, keyword_mismatch
 from .executor_switches import executor_for
 from .probe import Probe
 from .speculators_code import generator_module
@@ -26,21 +26,17 @@ def _specs_from_groups(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def probe_kv_config_signature(ctx: Context) -> Probe:
-    target = innermost(generator_module(ctx).get_kv_cache_config_from_groups)
-    passes = passes_keyword(ctx, "get_kv_cache_config_from_groups", "kv_cache_specs")
-    if passes and not accepts(target, "kv_cache_specs"):
+    mismatch = keyword_mismatch(ctx, "get_kv_cache_config_from_groups", "kv_cache_specs")
+    if mismatch == "unexpected":
         return Probe(True, "speculators passes kv_cache_specs, removed in vLLM 0.12.0")
-    if not passes and required(target, "kv_cache_specs"):
+    if mismatch == "missing":
         return Probe(True, "this vLLM requires kv_cache_specs; speculators does not pass it")
     return Probe(False, "get_kv_cache_config_from_groups binds the speculators call as is")
 
 
 def apply_kv_config_signature(ctx: Context, patcher: Patcher) -> None:
     target = innermost(generator_module(ctx).get_kv_cache_config_from_groups)
-    if accepts(target, "kv_cache_specs"):
-        plan = KeywordPlan(add={"kv_cache_specs": _specs_from_groups})
-    else:
-        plan = KeywordPlan(drop=frozenset({"kv_cache_specs"}))
+    plan = KeywordPlan.add_where_accepted(target, "kv_cache_specs", _specs_from_groups)
     install_call_adapter(ctx, patcher, "kv-config-signature", "get_kv_cache_config_from_groups", plan)
 
 
