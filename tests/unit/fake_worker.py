@@ -7,19 +7,25 @@ from types import ModuleType
 
 from tests.unit.source_module import load_source
 
-WORKER_03 = """
+# What both styles share: the capture forward, which 0.4.x gives the renamed embedding call and a
+# **kwargs that swallows extra layer keywords.
+FORWARD = """
 import types
 from itertools import islice
 
-def supports_eagle3(model):
-    return getattr(model, "declares_eagle3", False)
-
-def _patched_forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-    hidden_states = self.get_input_embeddings(input_ids)
+def _patched_forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None{keywords}):
+    hidden_states = self.{embed}(input_ids)
     residual = None
     for layer in islice(self.layers, self.start_layer, self.end_layer):
         hidden_states, residual = layer(hidden_states=hidden_states, positions=positions, residual=residual)
     return hidden_states
+"""
+
+WORKER_03 = (
+    FORWARD.format(embed="get_input_embeddings", keywords="")
+    + """
+def supports_eagle3(model):
+    return getattr(model, "declares_eagle3", False)
 
 class HiddenStatesWorkerExtension:
     def _setup_hidden_states_capture(self, layer_ids):
@@ -35,18 +41,11 @@ class HiddenStatesWorkerExtension:
     def _fail_empty(self):
         raise AssertionError()
 """
+)
 
-WORKER_04 = """
-import types
-from itertools import islice
-
-def _patched_forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_kwargs):
-    hidden_states = self.embed_input_ids(input_ids)
-    residual = None
-    for layer in islice(self.layers, self.start_layer, self.end_layer):
-        hidden_states, residual = layer(hidden_states=hidden_states, positions=positions, residual=residual)
-    return hidden_states
-
+WORKER_04 = (
+    FORWARD.format(embed="embed_input_ids", keywords=", **_kwargs")
+    + """
 class HiddenStatesWorkerExtension:
     def _setup_hidden_states_capture(self, layer_ids):
         base_model = self.model_runner.model.model
@@ -57,6 +56,7 @@ class HiddenStatesWorkerExtension:
         self._order = sorted(input_batch.req_id_to_index)
         self._captured_states = aux_hidden_states
 """
+)
 
 
 def fake_worker(tmp: Path, style: str) -> ModuleType:
