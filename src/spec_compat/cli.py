@@ -13,8 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor = commands.add_parser("doctor", help="check this environment without loading a model")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument(
-        "--explain", action="store_true", help="under each adapter that applies: what it patches, why, the vLLM "
-        "change behind it, when it can be deleted"
+        "--explain",
+        action="store_true",
+        help="under each adapter that applies: what it patches, why, the vLLM change behind it, when it can be deleted",
     )
     extract = commands.add_parser("extract", help="dataset -> hidden-state training files (resumable, shardable)")
     extract.add_argument("--model", required=True, help="model directory (or hub id, where reachable)")

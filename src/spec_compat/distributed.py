@@ -287,9 +287,7 @@ class Job:
             self.options = {"num_cpus": tp}
             needed, have, what = replicas * tp, float(resources.get("CPU", 0)), "CPUs"
         if have < needed:
-            raise ExtractError(
-                f"--replicas {replicas} x --tp {tp} needs {needed} {what}; the Ray cluster has {have:g}"
-            )
+            raise ExtractError(f"--replicas {replicas} x --tp {tp} needs {needed} {what}; the Ray cluster has {have:g}")
         bind_cpus = local and self.gpus == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
         self.cpus = os.cpu_count() or 1
         self.bind = bind_cpus

@@ -236,9 +236,7 @@ def check_layer_ids(layer_ids: list[int], facts: ModelFacts) -> None:
     if facts.num_layers is not None:
         outside = [x for x in layer_ids if not 0 <= x < facts.num_layers]
         if outside:
-            raise ExtractError(
-                f"--layer-ids {outside} outside the model's decoder layers 0..{facts.num_layers - 1}"
-            )
+            raise ExtractError(f"--layer-ids {outside} outside the model's decoder layers 0..{facts.num_layers - 1}")
 
 
 class WriteFailed(ExtractError):
@@ -479,8 +477,7 @@ class BackgroundWriter:
         while len(self.in_flight) >= self.pending:
             self._finish_oldest()
         futures = [
-            (idx, self.pool.submit(write_sample, self.output, idx, payload, self.sync))
-            for idx, payload in samples
+            (idx, self.pool.submit(write_sample, self.output, idx, payload, self.sync)) for idx, payload in samples
         ]
         self.in_flight.append(futures)
 

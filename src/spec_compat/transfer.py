@@ -353,9 +353,7 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
     all_finite = not present or bool(torch.isfinite(torch.cat(present).cpu()).all())
     non_finite = () if all_finite else non_finite_counts(tensors)
     check_s += time.perf_counter() - checked
-    refs = [
-        TensorRef(offset, _dtype_name(t.dtype), tuple(t.shape)) for offset, t in zip(offsets, tensors, strict=True)
-    ]
+    refs = [TensorRef(offset, _dtype_name(t.dtype), tuple(t.shape)) for offset, t in zip(offsets, tensors, strict=True)]
     total_s = time.perf_counter() - started
     return SharedStates(
         path=segment.path,

@@ -136,8 +136,7 @@ PREFIX_CACHING_OFF = Adapter(
     id="prefix-caching-off",
     side="driver",
     patches="vllm_hidden_states_generator.CacheConfig (keyword enable_prefix_caching=False)",
-    why="prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher "
-    "(crash in block_pool)",
+    why="prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher (crash in block_pool)",
     vllm_change="0.12.0 enable_prefix_caching defaults to True",
     detect="AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it",
     delete_when="speculators 0.3.0 is no longer supported",
@@ -259,8 +258,7 @@ SCHEDULER_BLOCK_SIZE = Adapter(
     id="scheduler-block-size",
     side="driver",
     patches="vllm_hidden_states_generator.Scheduler (keywords block_size, hash_block_size)",
-    why="Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV "
-    "cache's block size",
+    why="Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV cache's block size",
     vllm_change="0.11.2 required block_size; 0.20.2 hash_block_size",
     detect="signature vs AST: passed by speculators",
     delete_when="speculators passes the resolved block size",

@@ -227,10 +227,8 @@ def probe_worker_adapters(ctx: Context) -> Probe:
 EXECUTOR = Adapter(
     id="executor",
     side="driver",
-    patches="vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the "
-    "adapters below)",
-    why="the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker "
-    "errors are adapted",
+    patches="vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the adapters below)",
+    why="the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker errors are adapted",
     vllm_change="see the executor-* adapters",
     detect="always",
     delete_when="the last executor-* adapter is deleted",
