@@ -93,6 +93,14 @@ _COMMON: dict[str, Any] = {
     "dtype": "float32",
 }
 
+# Qwen3's attention (dense and MoE share it): grouped-query, explicit head_dim, default RoPE.
+_QWEN3: dict[str, Any] = {
+    **_COMMON,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+}
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -105,21 +113,13 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "dense": ModelFamily(
         config_cls=Qwen3Config,
         model_cls=Qwen3ForCausalLM,
-        config_kwargs={
-            **_COMMON,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        },
+        config_kwargs=_QWEN3,
     ),
     "qwen3_moe": ModelFamily(
         config_cls=Qwen3MoeConfig,
         model_cls=Qwen3MoeForCausalLM,
         config_kwargs={
-            **_COMMON,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            **_QWEN3,
             "num_experts": 8,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 64,
