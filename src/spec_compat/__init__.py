@@ -106,7 +106,7 @@ def _run_side(ctx: Context, side: str, report: Report, patcher: Patcher | None) 
         if probe.blocking:
             report.problems.append(f"{adapter.id}: {probe.reason}")
         if probe.applies and patcher is not None:
-            adapter.apply(ctx, patcher)
+            adapter.install(ctx, patcher)
 
 
 # Import-side decisions made by apply_before_import() (spec-compat run's hook, at speculators'

@@ -30,10 +30,14 @@ class Patch:
 
 
 class Patcher:
-    """Applies patches and undoes them in reverse order."""
+    """Applies patches and undoes them in reverse order. An adapter's apply never sees it: it gets
+    ``scoped(adapter.id)``, so every patch it makes carries its registry id."""
 
     def __init__(self) -> None:
         self.patches: list[Patch] = []
+
+    def scoped(self, adapter_id: str) -> AdapterPatcher:
+        return AdapterPatcher(self, adapter_id)
 
     def replace(self, adapter_id: str, owner: Any, name: str, replacement: Any) -> Any:
         """Replace an existing attribute; returns the previous value."""
@@ -77,6 +81,28 @@ class Patcher:
                 setattr(patch.owner, patch.name, patch.original)
         self.patches.clear()
         return undone
+
+
+class AdapterPatcher:
+    """The patcher as one adapter's apply sees it: the same methods without the id, every change
+    recorded under ``adapter_id`` (the registry's, given by whoever runs the apply), so revert()
+    and the report name the adapter that made it."""
+
+    def __init__(self, patcher: Patcher, adapter_id: str) -> None:
+        self.patcher = patcher
+        self.adapter_id = adapter_id
+
+    def replace(self, owner: Any, name: str, replacement: Any) -> Any:
+        return self.patcher.replace(self.adapter_id, owner, name, replacement)
+
+    def add(self, owner: Any, name: str, value: Any) -> None:
+        self.patcher.add(self.adapter_id, owner, name, value)
+
+    def add_item(self, mapping: MutableMapping[str, Any], mapping_name: str, key: str, value: Any) -> None:
+        self.patcher.add_item(self.adapter_id, mapping, mapping_name, key, value)
+
+    def on_revert(self, description: str, undo: Callable[[], None]) -> None:
+        self.patcher.on_revert(self.adapter_id, description, undo)
 
 
 def name_is_set(owner: Any, name: str) -> bool:

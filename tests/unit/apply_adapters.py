@@ -14,6 +14,6 @@ def apply_adapters(ctx: Context, adapter_ids: Iterable[str]) -> tuple[Patcher, l
     applied = []
     for adapter_id in adapter_ids:
         if BY_ID[adapter_id].probe(ctx).applies:
-            BY_ID[adapter_id].apply(ctx, patcher)
+            BY_ID[adapter_id].install(ctx, patcher)
             applied.append(adapter_id)
     return patcher, applied

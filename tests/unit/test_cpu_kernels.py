@@ -76,7 +76,7 @@ def test_only_speculators_vllm_config_changes_and_revert_restores_it() -> None:
     module = ModuleType("speculators.data_generation.vllm_hidden_states_generator")
     module.VllmConfig = vllm_config  # type: ignore[attr-defined]
     patcher = Patcher()
-    cpu_kernels.apply_cpu_rms_norm_strided(_ctx(module), patcher)
+    cpu_kernels.CPU_RMS_NORM_STRIDED.install(_ctx(module), patcher)
     module.VllmConfig(model_config="m")  # type: ignore[attr-defined]
     assert received[-1]["model_config"] == "m"
     assert received[-1]["compilation_config"].custom_ops == ["-rms_norm"]

@@ -50,7 +50,7 @@ def test_batches_beyond_the_sequence_limit_are_split(tmp_path: Path) -> None:
     patcher = Patcher()
     for adapter_id in ["sequence-limit", "input-order", "results-contract"]:
         assert BY_ID[adapter_id].probe(ctx).applies
-        BY_ID[adapter_id].apply(ctx, patcher)
+        BY_ID[adapter_id].install(ctx, patcher)
     try:
         generator = module.VllmHiddenStatesGenerator("m", layer_ids=[0])
         generator.scheduler.max_num_running_reqs = 4
@@ -143,7 +143,7 @@ def test_contract_violation_is_loud(tmp_path: Path) -> None:
 
     module.VllmHiddenStatesGenerator.generate = flattened
     patcher = Patcher()
-    BY_ID["results-contract"].apply(Context(env=detect(), options=Options(), generator=module), patcher)
+    BY_ID["results-contract"].install(Context(env=detect(), options=Options(), generator=module), patcher)
     try:
         with pytest.raises(ResultContractError, match=r"expected 2 hidden-state tensors .* got list of 3"):
             module.VllmHiddenStatesGenerator("m", layer_ids=[0, 1]).generate([[1, 2, 3]])

@@ -34,7 +34,7 @@ def test_kv_cache_planning_aliases_for_the_033_layout(monkeypatch: pytest.Monkey
     probe = imports.probe_kv_cache_planning_aliases(_ctx())
     assert probe.applies
     patcher = Patcher()
-    imports.apply_kv_cache_planning_aliases(_ctx(), patcher)
+    imports.KV_CACHE_PLANNING_ALIASES.install(_ctx(), patcher)
     assert all(getattr(utils, name) is helpers[name] for name in helpers)
     patcher.revert()
     assert not any(hasattr(utils, name) for name in helpers)
@@ -67,7 +67,7 @@ def test_transformers_annotation_alias(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers.configuration_utils", fake)
     assert imports.probe_transformers_torch_annotation(_ctx()).applies  # transformers 5 shape
     patcher = Patcher()
-    imports.apply_transformers_torch_annotation(_ctx(), patcher)
+    imports.TRANSFORMERS_TORCH_ANNOTATION.install(_ctx(), patcher)
     import torch
 
     assert fake.torch is torch  # type: ignore[attr-defined]
@@ -98,7 +98,7 @@ def test_transformers_removed_modules_get_placeholders(tmp_path: Any, monkeypatc
     assert probe.applies and "transformers.spec_compat_gone_utils (GoneBase, _gone_helper)" in probe.reason
     assert "another_gone_module" not in probe.reason and "inside_function_gone" not in probe.reason
     patcher = Patcher()
-    imports.apply_transformers_removed_modules(_ctx(), patcher)
+    imports.TRANSFORMERS_REMOVED_MODULES.install(_ctx(), patcher)
     import speculators.models.eagle as eagle  # type: ignore[import-not-found]
 
     with pytest.raises(ImportError, match="_gone_helper does not exist in transformers"):
@@ -124,7 +124,7 @@ def test_kv_memory_asks_the_workers_when_the_device_reports_none() -> None:
     module = _kv_module(get_kv_cache_config_from_groups)
     ctx = Context(env=detect(), options=Options(), generator=module)
     patcher = Patcher()
-    kv_cache.apply_kv_memory(ctx, patcher)
+    kv_cache.KV_MEMORY_FROM_WORKERS.install(ctx, patcher)
     vllm_config = SimpleNamespace()
 
     class Executor:
@@ -193,7 +193,7 @@ def test_model_dtype_override() -> None:
     assert BY_ID["model-dtype"].probe(ctx).applies
     assert not BY_ID["model-dtype"].probe(Context(env=detect(), options=Options(), generator=module)).applies
     patcher = Patcher()
-    BY_ID["model-dtype"].apply(ctx, patcher)
+    BY_ID["model-dtype"].install(ctx, patcher)
     module.ModelConfig(model="m", dtype="auto")
     assert calls[-1]["dtype"] == "float32"
     patcher.revert()
@@ -243,7 +243,7 @@ def test_device_memory_helpers_answer_no_memory_on_cpu(tmp_path: Path, platform:
         return
     assert "mem_get_info" in probe.reason and "empty_cache" in probe.reason
     patcher = Patcher()
-    kv_cache.apply_device_memory_query(ctx, patcher)
+    kv_cache.DEVICE_MEMORY_QUERY.install(ctx, patcher)
     generator = module.VllmHiddenStatesGenerator()
     assert generator.free == 0 and generator.generate([1]) == [1]
     assert not isinstance(module.torch if hasattr(module, "torch") else None, kv_cache._TorchProxy)

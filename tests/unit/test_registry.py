@@ -7,6 +7,7 @@ import ast
 import re
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -15,15 +16,12 @@ import spec_compat
 from spec_compat.adapters.probe import Probe
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
-from spec_compat.patching import Patcher
+from spec_compat.patching import AdapterPatcher, Patcher
 from spec_compat.registry import ADAPTERS, BY_ID, SUPPORTED_SPECULATORS, Adapter, AdapterOrderError, ordered
 from spec_compat.versions import parse_version
 
 ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
-# Where the adapter id a patch is recorded under stands: patcher.<method>(id, ...),
-# <helper>(ctx, patcher, id, ...) and switch_on(id, ...).
 PATCHER_METHODS = {"replace", "add", "add_item", "on_revert"}
-ID_POSITIONS = {"set_flag": 2, "wrap_method": 2, "wrap_generate": 2, "install_call_adapter": 2, "switch_on": 0}
 # The generate() wrappers, innermost first (the order speculators' generate is wrapped in).
 GENERATE_WRAPPERS = (
     "single-step-batches",
@@ -36,45 +34,80 @@ GENERATE_WRAPPERS = (
 )
 
 
-def _recorded_ids(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text())
-    constants = {
-        target.id: node.value.value
-        for node in tree.body
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-        if isinstance(func, ast.Attribute) and ast.unparse(func.value) == "patcher" and name in PATCHER_METHODS:
-            position = 0
-        elif name in ID_POSITIONS:
-            position = ID_POSITIONS[name]
-        else:
-            continue
-        if len(node.args) <= position:
-            continue
-        arg = node.args[position]
-        if isinstance(arg, ast.Constant):
-            found.append((node.lineno, arg.value))
-        elif isinstance(arg, ast.Name) and arg.id in constants:
-            found.append((node.lineno, constants[arg.id]))
-    return found
+def test_no_adapter_names_the_id_it_patches_under() -> None:
+    """Adapters get ``patcher.scoped(id)`` (Adapter.install): a patch carries the id of the adapter
+    whose apply made it, so no apply body or helper writes an id (one that could drift from the
+    registry's). The check: no call of a patcher method in adapters/ starts with a string."""
+    written = []
+    for path in ADAPTERS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            if node.func.attr in PATCHER_METHODS and "patcher" in ast.unparse(node.func.value):
+                first = node.args[0] if node.args else None
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    written.append(f"{path.name}:{node.lineno}")
+    assert written == []
 
 
-def test_every_patch_id_in_the_adapters_is_a_registry_id() -> None:
-    recorded = {
-        f"{path.name}:{line}": adapter_id
-        for path in ADAPTERS_DIR.glob("*.py")
-        for line, adapter_id in _recorded_ids(path)
-    }
-    assert len(recorded) > 30  # the scanner sees the adapters' patches
-    assert {where: adapter_id for where, adapter_id in recorded.items() if adapter_id not in BY_ID} == {}
+def _patching_adapter(adapter_id: str, target: type) -> Adapter:
+    def apply(ctx: Context, patcher: AdapterPatcher) -> None:
+        patcher.replace(target, "value", adapter_id)
+        patcher.add(target, f"alias_{adapter_id.replace('-', '_')}", adapter_id)
+        patcher.on_revert(f"undo {adapter_id}", lambda: None)
+
+    return replace(BY_ID["layer-ids"], id=adapter_id, side="driver", probe=lambda ctx: Probe(True, "yes"), apply=apply)
+
+
+def test_every_patch_carries_the_id_of_the_adapter_that_made_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import spec_compat.registry as registry
+
+    class Target:
+        value = "original"
+
+    monkeypatch.setattr(registry, "ADAPTERS", (_patching_adapter("first", Target), _patching_adapter("second", Target)))
+    patcher = Patcher()
+    report = spec_compat.Report(env=detect(), options=Options())
+    spec_compat._run_side(Context(env=detect(), options=Options()), "driver", report, patcher)
+    assert [(p.adapter_id, p.target) for p in patcher.patches] == [
+        ("first", "Target.value"),
+        ("first", "Target.alias_first"),
+        ("first", "undo first"),
+        ("second", "Target.value"),
+        ("second", "Target.alias_second"),
+        ("second", "undo second"),
+    ]
+    assert Target.value == "second"
+    patcher.revert()
+    assert Target.value == "original" and not hasattr(Target, "alias_first")
+
+
+class _FakeMultiprocExecutor:
+    pass
+
+
+def test_the_executor_subclass_is_recorded_under_the_adapter_that_installed_it() -> None:
+    """``executor`` installs the subclass the switch adapters set; with ``executor`` disabled, the
+    first switch adapter installs it, and the report names that adapter, not a disabled one."""
+    module = ModuleType("fake_vllm_hidden_states_generator")
+    module.MultiprocExecutor = _FakeMultiprocExecutor  # type: ignore[attr-defined]
+    ctx = Context(env=detect(), options=Options(), generator=module)
+    patcher = Patcher()
+    BY_ID["executor-reply-shape"].install(ctx, patcher)
+    assert [(p.adapter_id, p.name) for p in patcher.patches] == [
+        ("executor-reply-shape", "MultiprocExecutor"),
+        ("executor-reply-shape", "reply_as_list"),
+    ]
+    patcher.revert()
+    assert module.MultiprocExecutor is _FakeMultiprocExecutor
+    BY_ID["executor"].install(ctx, patcher)
+    BY_ID["executor-reply-shape"].install(ctx, patcher)
+    assert [(p.adapter_id, p.name) for p in patcher.patches] == [
+        ("executor", "MultiprocExecutor"),
+        ("executor", "worker_options_json"),
+        ("executor-reply-shape", "reply_as_list"),
+    ]
+    patcher.revert()
 
 
 def test_ranges_are_specifier_sets() -> None:
@@ -107,7 +140,7 @@ def _fake_adapter(adapter_id: str, speculators: SpecifierSet, calls: list[str]) 
         calls.append(f"probe {adapter_id}")
         return Probe(True, "applies")
 
-    def apply(ctx: Context, patcher: Patcher) -> None:
+    def apply(ctx: Context, patcher: AdapterPatcher) -> None:
         calls.append(f"apply {adapter_id}")
 
     template = BY_ID["layer-ids"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..calls import KeywordPlan
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from .driver_calls import install_call_adapter
 from .probe import Probe
 from .unit import Adapter
@@ -79,9 +79,9 @@ def with_rms_norm_disabled(kwargs: dict[str, Any]) -> Any:
     return updated
 
 
-def apply_cpu_rms_norm_strided(ctx: Context, patcher: Patcher) -> None:
+def apply_cpu_rms_norm_strided(ctx: Context, patcher: AdapterPatcher) -> None:
     plan = KeywordPlan(override={"compilation_config": with_rms_norm_disabled})
-    install_call_adapter(ctx, patcher, "cpu-rms-norm-strided", "VllmConfig", plan)
+    install_call_adapter(ctx, patcher, "VllmConfig", plan)
 
 
 CPU_RMS_NORM_STRIDED = Adapter(

@@ -10,18 +10,18 @@ from typing import Any, Literal
 
 from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from .probe import Probe
 from .speculators_code import call_sites, generator_module
 from .unit import SPECULATORS_0_3_ONLY, Adapter
 
 
 def install_call_adapter(
-    ctx: Context, patcher: Patcher, adapter_id: str, name: str, plan: KeywordPlan, after: Any = None
+    ctx: Context, patcher: AdapterPatcher, name: str, plan: KeywordPlan, after: Any = None
 ) -> None:
     """``name`` in the generator module becomes a CallAdapter with ``plan`` (and ``after``)."""
     module = generator_module(ctx)
-    patcher.replace(adapter_id, module, name, CallAdapter(adapter_id, getattr(module, name), plan, after))
+    patcher.replace(module, name, CallAdapter(patcher.adapter_id, getattr(module, name), plan, after))
 
 
 def passes_keyword(ctx: Context, callee: str, keyword: str) -> bool:
@@ -55,10 +55,10 @@ def probe_request_kwargs(ctx: Context) -> Probe:
     return Probe(False, "Request.__init__ accepts every keyword speculators passes")
 
 
-def apply_request_kwargs(ctx: Context, patcher: Patcher) -> None:
+def apply_request_kwargs(ctx: Context, patcher: AdapterPatcher) -> None:
     target = innermost(generator_module(ctx).Request)
     drop = frozenset(k for k in REQUEST_DROPPABLE if not accepts(target, k))
-    install_call_adapter(ctx, patcher, "request-kwargs", "Request", KeywordPlan(drop=drop))
+    install_call_adapter(ctx, patcher, "Request", KeywordPlan(drop=drop))
 
 
 REQUEST_KWARGS = Adapter(
@@ -88,10 +88,10 @@ def probe_scheduler_config_encoder_decoder(ctx: Context) -> Probe:
     return Probe(False, "SchedulerConfig binds the speculators call as is")
 
 
-def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: Patcher) -> None:
+def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: AdapterPatcher) -> None:
     target = innermost(generator_module(ctx).SchedulerConfig)
     plan = KeywordPlan.add_where_accepted(target, "is_encoder_decoder", lambda kw: False)
-    install_call_adapter(ctx, patcher, "scheduler-config-encoder-decoder", "SchedulerConfig", plan)
+    install_call_adapter(ctx, patcher, "SchedulerConfig", plan)
 
 
 SCHEDULER_CONFIG_ENCODER_DECODER = Adapter(
@@ -122,11 +122,10 @@ def probe_prefix_caching_off(ctx: Context) -> Probe:
     return Probe(True, "speculators leaves prefix caching at vLLM's default (on since 0.12.0)")
 
 
-def apply_prefix_caching_off(ctx: Context, patcher: Patcher) -> None:
+def apply_prefix_caching_off(ctx: Context, patcher: AdapterPatcher) -> None:
     install_call_adapter(
         ctx,
         patcher,
-        "prefix-caching-off",
         "CacheConfig",
         KeywordPlan(override={"enable_prefix_caching": lambda kw: False}),
     )
@@ -162,10 +161,8 @@ def probe_block_size_from_platform(ctx: Context) -> Probe:
     return Probe(True, f"speculators hard-codes block_size={getattr(generator_module(ctx), 'VLLM_BLOCK_SIZE', '?')}")
 
 
-def apply_block_size_from_platform(ctx: Context, patcher: Patcher) -> None:
-    install_call_adapter(
-        ctx, patcher, "block-size-from-platform", "CacheConfig", KeywordPlan(drop=frozenset({"block_size"}))
-    )
+def apply_block_size_from_platform(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_call_adapter(ctx, patcher, "CacheConfig", KeywordPlan(drop=frozenset({"block_size"})))
 
 
 BLOCK_SIZE_FROM_PLATFORM = Adapter(
@@ -190,9 +187,9 @@ def probe_model_dtype(ctx: Context) -> Probe:
     return Probe(True, f"user asked for dtype={ctx.options.dtype!r}; speculators hard-codes 'auto'")
 
 
-def apply_model_dtype(ctx: Context, patcher: Patcher) -> None:
+def apply_model_dtype(ctx: Context, patcher: AdapterPatcher) -> None:
     dtype = ctx.options.dtype
-    install_call_adapter(ctx, patcher, "model-dtype", "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
+    install_call_adapter(ctx, patcher, "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
 
 
 MODEL_DTYPE = Adapter(
@@ -239,7 +236,7 @@ def probe_scheduler_block_size(ctx: Context) -> Probe:
     return Probe(False, "Scheduler takes no block size")
 
 
-def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
+def apply_scheduler_block_size(ctx: Context, patcher: AdapterPatcher) -> None:
     target = innermost(generator_module(ctx).Scheduler)
     override: dict[str, Any] = {}
     drop: set[str] = set()
@@ -249,9 +246,7 @@ def apply_scheduler_block_size(ctx: Context, patcher: Patcher) -> None:
         drop.add("block_size")
     if accepts(target, "hash_block_size"):
         override["hash_block_size"] = lambda kw: _resolved_block_sizes(kw)[1]
-    install_call_adapter(
-        ctx, patcher, "scheduler-block-size", "Scheduler", KeywordPlan(drop=frozenset(drop), override=override)
-    )
+    install_call_adapter(ctx, patcher, "Scheduler", KeywordPlan(drop=frozenset(drop), override=override))
 
 
 SCHEDULER_BLOCK_SIZE = Adapter(

@@ -34,7 +34,7 @@ from .. import timing, transfer
 from ..environ import scoped_environ
 from ..errors import EngineStopped
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from . import (
     executor_entry,
     executor_failures,
@@ -198,19 +198,21 @@ def make_executor_class(base: type) -> type:
     return SpecCompatMultiprocExecutor
 
 
-def installed_executor_class(ctx: Context, patcher: Patcher) -> type:
-    """The spec_compat subclass under the generator's MultiprocExecutor name (installed once)."""
+def installed_executor_class(ctx: Context, patcher: AdapterPatcher) -> type:
+    """The spec_compat subclass under the generator's MultiprocExecutor name (installed once),
+    recorded under the adapter that needed it first: ``executor``, listed before the switch adapters,
+    or, when the user disabled it, the first switch adapter that applies."""
     module = generator_module(ctx)
     current = module.MultiprocExecutor
     if current in _SUBCLASSES.values():
         return current  # type: ignore[no-any-return]
     subclass = make_executor_class(current)
-    patcher.replace("executor", module, "MultiprocExecutor", subclass)
+    patcher.replace(module, "MultiprocExecutor", subclass)
     worker = ctx.worker
     if worker is not None:
         extension = worker.HiddenStatesWorkerExtension
         methods = frozenset(name for name, value in vars(extension).items() if callable(value))
-        patcher.replace("executor", subclass, "extension_methods", methods)
+        patcher.replace(subclass, "extension_methods", methods)
     return subclass
 
 
@@ -233,5 +235,5 @@ EXECUTOR = Adapter(
     detect="always",
     delete_when="the last executor-* adapter is deleted",
     probe=probe_worker_adapters,
-    apply=switch_on("executor", "worker_options_json", lambda ctx: ctx.options.to_json()),
+    apply=switch_on("worker_options_json", lambda ctx: ctx.options.to_json()),
 )

@@ -98,5 +98,5 @@ EXECUTOR_ALL_RANKS_REPLY = Adapter(
     detect="always",
     delete_when="vLLM reports failures from every rank",
     probe=probe_all_ranks_reply,
-    apply=switch_on("executor-all-ranks-reply", "all_ranks_reply"),
+    apply=switch_on("all_ranks_reply"),
 )

@@ -54,5 +54,5 @@ WORKER_MALLOC_RETAIN = Adapter(
     detect="platform is cpu (captures in host memory) and the variables are not all set by the user",
     delete_when="speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc",
     probe=probe_worker_malloc,
-    apply=switch_on("worker-malloc-retain", "worker_malloc_env", WORKER_MALLOC_ENV),
+    apply=switch_on("worker_malloc_env", WORKER_MALLOC_ENV),
 )

@@ -53,7 +53,7 @@ EXECUTOR_REPLY_SHAPE = Adapter(
     detect="AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator",
     delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_reply_shape,
-    apply=switch_on("executor-reply-shape", "reply_as_list"),
+    apply=switch_on("reply_as_list"),
     # every release: the probe also finds the reverse mismatch (0.4.x on vLLM <= 0.11.0, blocking)
 )
 
@@ -81,7 +81,7 @@ EXECUTOR_SAMPLE_TOKENS = Adapter(
     detect="hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it",
     delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_sample_tokens,
-    apply=switch_on("executor-sample-tokens", "sample_after_execute"),
+    apply=switch_on("sample_after_execute"),
     speculators=SPECULATORS_0_3_ONLY,
 )
 
@@ -119,7 +119,7 @@ EXECUTOR_KV_LAYOUT = Adapter(
     detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
     delete_when="the layout is resolved inside initialize_from_config",
     probe=probe_kv_layout,
-    apply=switch_on("executor-kv-layout", "resolve_kv_layout"),
+    apply=switch_on("resolve_kv_layout"),
 )
 
 
@@ -157,5 +157,5 @@ EXECUTOR_MODEL_RUNNER_V1 = Adapter(
     detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
     delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
     probe=probe_v1_model_runner,
-    apply=switch_on("executor-model-runner-v1", "force_v1_model_runner"),
+    apply=switch_on("force_v1_model_runner"),
 )

@@ -65,5 +65,5 @@ RPC_REPLY_READ_ONCE = Adapter(
     detect="AST: generate() reads the unique reply by key at one place, inside a for loop",
     delete_when="speculators releases the reply entries itself (or stops cloning tensors it owns)",
     probe=probe_read_once_reply,
-    apply=switch_on("rpc-reply-read-once", "read_once_replies"),
+    apply=switch_on("read_once_replies"),
 )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 
 EXECUTORS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # id(vllm_config) -> executor
 
@@ -42,10 +42,10 @@ class ExecutorSwitches:
     stopped_reason: str | None = None  # set once the engine was shut down after a failure / a signal
 
 
-_installer: Callable[[Context, Patcher], type] | None = None
+_installer: Callable[[Context, AdapterPatcher], type] | None = None
 
 
-def register_installer(installer: Callable[[Context, Patcher], type]) -> None:
+def register_installer(installer: Callable[[Context, AdapterPatcher], type]) -> None:
     """How ``set_flag`` finds the subclass: ``executor.installed_executor_class``, registered by
     executor.py when imported (so that this module, which every behaviour's module imports, does
     not import the subclass that imports them)."""
@@ -53,22 +53,22 @@ def register_installer(installer: Callable[[Context, Patcher], type]) -> None:
     _installer = installer
 
 
-def set_flag(ctx: Context, patcher: Patcher, adapter_id: str, name: str, value: Any) -> None:
+def set_flag(ctx: Context, patcher: AdapterPatcher, name: str, value: Any) -> None:
     """Turn on one switch of the executor subclass installed under the generator's
     ``MultiprocExecutor`` name (installing it first, as the ``executor`` adapter would),
-    recorded under ``adapter_id``."""
+    recorded under the adapter whose apply this is."""
     if name not in vars(ExecutorSwitches):
         raise AttributeError(f"spec_compat's executor has no switch {name!r}")
     assert _installer is not None, "spec_compat.adapters.executor registers the installer when imported"
-    patcher.replace(adapter_id, _installer(ctx, patcher), name, value)
+    patcher.replace(_installer(ctx, patcher), name, value)
 
 
-def switch_on(adapter_id: str, name: str, value: Any = True) -> Callable[[Context, Patcher], None]:
+def switch_on(name: str, value: Any = True) -> Callable[[Context, AdapterPatcher], None]:
     """The ``apply`` of an adapter that only turns on one switch: ``value``, or ``value(ctx)`` when
     it is a function of the options."""
 
-    def apply(ctx: Context, patcher: Patcher) -> None:
-        set_flag(ctx, patcher, adapter_id, name, value(ctx) if callable(value) else value)
+    def apply(ctx: Context, patcher: AdapterPatcher) -> None:
+        set_flag(ctx, patcher, name, value(ctx) if callable(value) else value)
 
     apply.__name__ = apply.__qualname__ = f"switch_on_{name}"
     return apply

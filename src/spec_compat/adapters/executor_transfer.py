@@ -66,5 +66,5 @@ EXECUTOR_SHARED_MEMORY_REPLIES = Adapter(
     detect="POSIX flock and mmap (Linux, macOS)",
     delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
     probe=probe_shared_memory_replies,
-    apply=switch_on("executor-shared-memory-replies", "shared_memory_replies"),
+    apply=switch_on("shared_memory_replies"),
 )

@@ -86,5 +86,5 @@ EXECUTOR_CLOSE_QUEUES = Adapter(
     detect="vllm.distributed.device_communicators.shm_broadcast never closes a socket with linger=0",
     delete_when="vLLM releases without the MessageQueue finalizer are no longer supported",
     probe=probe_close_queues,
-    apply=switch_on("executor-close-queues", "close_queues_on_shutdown"),
+    apply=switch_on("close_queues_on_shutdown"),
 )

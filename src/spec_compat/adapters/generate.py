@@ -19,7 +19,7 @@ import wrapt
 from ..contract import check_results
 from ..errors import IncompatibleError
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from ..timing import OwnTime
 from . import speculators_code
 from .probe import Probe
@@ -32,14 +32,14 @@ Run = Callable[[Any], Any]
 
 
 def wrap_method(
-    ctx: Context, patcher: Patcher, adapter_id: str, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]
+    ctx: Context, patcher: AdapterPatcher, name: str, make: Callable[[GeneratorMethod], GeneratorMethod]
 ) -> None:
     """Install ``make(original)`` as ``name`` (a ``wrapt.FunctionWrapper``: the original's name,
     signature and descriptor binding are kept); the time it spends outside ``original`` is
-    accounted as ``own:<adapter_id>`` (``spec_compat.timings()``)."""
+    accounted as ``own:<adapter id>`` (``spec_compat.timings()``)."""
     cls = generator_module(ctx).VllmHiddenStatesGenerator
     original = getattr(cls, name)  # an earlier adapter's wrapper, bound to the class: called with self
-    own = OwnTime(f"own:{adapter_id}")
+    own = OwnTime(f"own:{patcher.adapter_id}")
 
     def timed_original(*args: Any, **kwargs: Any) -> Any:
         with own.excluded():
@@ -51,10 +51,10 @@ def wrap_method(
         with own.around():
             return body(*args, **kwargs) if instance is None else body(instance, *args, **kwargs)
 
-    patcher.replace(adapter_id, cls, name, wrapt.FunctionWrapper(vars(cls).get(name, original), call))
+    patcher.replace(cls, name, wrapt.FunctionWrapper(vars(cls).get(name, original), call))
 
 
-def wrap_generate(ctx: Context, patcher: Patcher, adapter_id: str, body: Callable[[Any, Any, Run], Any]) -> None:
+def wrap_generate(ctx: Context, patcher: AdapterPatcher, body: Callable[[Any, Any, Run], Any]) -> None:
     """Install ``body(generator, token_ids, run)`` as ``generate`` (through ``wrap_method``):
     ``run(batch)`` calls the generate it wraps on ``batch`` with the caller's other arguments."""
 
@@ -64,7 +64,7 @@ def wrap_generate(ctx: Context, patcher: Patcher, adapter_id: str, body: Callabl
 
         return generate
 
-    wrap_method(ctx, patcher, adapter_id, "generate", make)
+    wrap_method(ctx, patcher, "generate", make)
 
 
 def run_in_parts(run: Run, parts: Iterable[Any]) -> list[Any]:
@@ -156,7 +156,7 @@ def probe_input_validation(ctx: Context) -> Probe:
     return Probe(True, "generate() would send malformed or out-of-vocabulary ids into the engine")
 
 
-def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
+def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
     def validated(generator: Any, token_ids: Any, run: Run) -> Any:
         batch = normalise_token_ids(token_ids, _vocab_size(generator))
         limit = _max_prompt_len(generator)
@@ -170,7 +170,7 @@ def apply_input_validation(ctx: Context, patcher: Patcher) -> None:
             )
         return run(batch)
 
-    wrap_generate(ctx, patcher, "input-validation", validated)
+    wrap_generate(ctx, patcher, validated)
 
 
 INPUT_VALIDATION = Adapter(
@@ -214,7 +214,7 @@ def layer_ids_problem(layer_ids: Sequence[Any], defaulted: bool) -> str | None:
     return None
 
 
-def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
+def apply_layer_ids(ctx: Context, patcher: AdapterPatcher) -> None:
     def make_init(original: GeneratorMethod) -> GeneratorMethod:
         def __init__(
             self: Any, model_path: str, layer_ids: Sequence[int] | None = None, *args: Any, **kwargs: Any
@@ -256,10 +256,10 @@ def apply_layer_ids(ctx: Context, patcher: Patcher) -> None:
                 result["hidden_states"] = [states[position[layer]] for layer in requested]
         return results
 
-    wrap_method(ctx, patcher, "layer-ids", "__init__", make_init)
+    wrap_method(ctx, patcher, "__init__", make_init)
     if hasattr(generator_module(ctx).VllmHiddenStatesGenerator, "_create_vllm_config"):
-        wrap_method(ctx, patcher, "layer-ids", "_create_vllm_config", make_create_config)
-    wrap_generate(ctx, patcher, "layer-ids", in_requested_order)
+        wrap_method(ctx, patcher, "_create_vllm_config", make_create_config)
+    wrap_generate(ctx, patcher, in_requested_order)
 
 
 LAYER_IDS = Adapter(
@@ -322,14 +322,14 @@ def reorder_to_inputs(results: list[Any], inputs: list[list[int]]) -> list[Any]:
     return ordered
 
 
-def apply_input_order(ctx: Context, patcher: Patcher) -> None:
+def apply_input_order(ctx: Context, patcher: AdapterPatcher) -> None:
     def in_input_order(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
         results = run(token_ids)
         if not isinstance(results, list) or not all(isinstance(r, dict) and "input_ids" in r for r in results):
             return results
         return reorder_to_inputs(results, _as_run(generator, token_ids))
 
-    wrap_generate(ctx, patcher, "input-order", in_input_order)
+    wrap_generate(ctx, patcher, in_input_order)
 
 
 INPUT_ORDER = Adapter(
@@ -361,14 +361,14 @@ def probe_sequence_limit(ctx: Context) -> Probe:
     return Probe(True, "generate() never frees finished requests: inputs beyond max_num_seqs would never be scheduled")
 
 
-def apply_sequence_limit(ctx: Context, patcher: Patcher) -> None:
+def apply_sequence_limit(ctx: Context, patcher: AdapterPatcher) -> None:
     def in_running_slots(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
         limit = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or len(token_ids))
         if len(token_ids) <= limit:
             return run(token_ids)
         return run_in_parts(run, (token_ids[start : start + limit] for start in range(0, len(token_ids), limit)))
 
-    wrap_generate(ctx, patcher, "sequence-limit", in_running_slots)
+    wrap_generate(ctx, patcher, in_running_slots)
 
 
 SEQUENCE_LIMIT = Adapter(
@@ -449,7 +449,7 @@ def _verify_single_step(executor: Any, request_lengths: list[int], steps_before:
         )
 
 
-def apply_single_step(ctx: Context, patcher: Patcher) -> None:
+def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
     def in_single_steps(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
         batch = _as_run(generator, token_ids)
         scheduler = generator.scheduler
@@ -474,7 +474,7 @@ def apply_single_step(ctx: Context, patcher: Patcher) -> None:
 
         return run_in_parts(run_verified, ([batch[i] for i in indices] for indices in plan))
 
-    wrap_generate(ctx, patcher, "single-step-batches", in_single_steps)
+    wrap_generate(ctx, patcher, in_single_steps)
 
 
 SINGLE_STEP_BATCHES = Adapter(
@@ -537,7 +537,7 @@ def _finite_counts(generator: Any) -> tuple[int, int] | None:
     return (counts["verified"], counts["unverified"]) if isinstance(counts, dict) else None
 
 
-def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
+def apply_results_contract(ctx: Context, patcher: AdapterPatcher) -> None:
     def checked(generator: Any, token_ids: list[list[int]], run: Run) -> Any:
         before = _finite_counts(generator)
         results = run(token_ids)
@@ -556,7 +556,7 @@ def apply_results_contract(ctx: Context, patcher: Patcher) -> None:
         )
         return results
 
-    wrap_generate(ctx, patcher, "results-contract", checked)
+    wrap_generate(ctx, patcher, checked)
 
 
 RESULTS_CONTRACT = Adapter(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from .probe import Probe
 from .unit import Adapter
 
@@ -36,11 +36,11 @@ def probe_transformers_torch_annotation(ctx: Context) -> Probe:
     return Probe(True, "PretrainedConfig annotates with `torch.dtype` but the module has no `torch` name")
 
 
-def apply_transformers_torch_annotation(ctx: Context, patcher: Patcher) -> None:
+def apply_transformers_torch_annotation(ctx: Context, patcher: AdapterPatcher) -> None:
     import torch
 
     configuration_utils = importlib.import_module("transformers.configuration_utils")
-    patcher.add("transformers-torch-annotation", configuration_utils, "torch", torch)
+    patcher.add(configuration_utils, "torch", torch)
 
 
 TRANSFORMERS_TORCH_ANNOTATION = Adapter(
@@ -160,13 +160,13 @@ def _placeholder(module: str, name: str, transformers_version: str) -> type:
     return type(name, (), {"__new__": refuse, "__doc__": message, "__module__": module})
 
 
-def apply_transformers_removed_modules(ctx: Context, patcher: Patcher) -> None:
+def apply_transformers_removed_modules(ctx: Context, patcher: AdapterPatcher) -> None:
     version = ctx.env.transformers.raw or "(unknown version)"
     for module, names in removed_transformers_modules().items():
         placeholder = types.ModuleType(module, f"spec_compat placeholder: {module} was removed from transformers")
         for name in names:
             setattr(placeholder, name, _placeholder(module, name, version))
-        patcher.add_item("transformers-removed-modules", sys.modules, "sys.modules", module, placeholder)
+        patcher.add_item(sys.modules, "sys.modules", module, placeholder)
 
 
 TRANSFORMERS_REMOVED_MODULES = Adapter(
@@ -209,12 +209,12 @@ def probe_kv_cache_planning_aliases(ctx: Context) -> Probe:
     return Probe(True, f"kv_cache_utils lacks {missing}; kv_cache_planning defines them")
 
 
-def apply_kv_cache_planning_aliases(ctx: Context, patcher: Patcher) -> None:
+def apply_kv_cache_planning_aliases(ctx: Context, patcher: AdapterPatcher) -> None:
     kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
     planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
     for name in KV_PLANNING_NAMES:
         if not hasattr(kv_cache_utils, name):
-            patcher.add("kv-cache-planning-aliases", kv_cache_utils, name, getattr(planning, name))
+            patcher.add(kv_cache_utils, name, getattr(planning, name))
 
 
 KV_CACHE_PLANNING_ALIASES = Adapter(

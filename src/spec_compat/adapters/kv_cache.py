@@ -9,7 +9,7 @@ import wrapt
 
 from ..calls import KeywordPlan, innermost
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from . import speculators_code
 from .driver_calls import install_call_adapter, keyword_mismatch
 from .executor_switches import executor_for
@@ -34,10 +34,10 @@ def probe_kv_config_signature(ctx: Context) -> Probe:
     return Probe(False, "get_kv_cache_config_from_groups binds the speculators call as is")
 
 
-def apply_kv_config_signature(ctx: Context, patcher: Patcher) -> None:
+def apply_kv_config_signature(ctx: Context, patcher: AdapterPatcher) -> None:
     target = innermost(generator_module(ctx).get_kv_cache_config_from_groups)
     plan = KeywordPlan.add_where_accepted(target, "kv_cache_specs", _specs_from_groups)
-    install_call_adapter(ctx, patcher, "kv-config-signature", "get_kv_cache_config_from_groups", plan)
+    install_call_adapter(ctx, patcher, "get_kv_cache_config_from_groups", plan)
 
 
 KV_CONFIG_SIGNATURE = Adapter(
@@ -81,9 +81,9 @@ def probe_kv_memory(ctx: Context) -> Probe:
     )
 
 
-def apply_kv_memory(ctx: Context, patcher: Patcher) -> None:
+def apply_kv_memory(ctx: Context, patcher: AdapterPatcher) -> None:
     plan = KeywordPlan(override={"available_memory": _available_memory})
-    install_call_adapter(ctx, patcher, "kv-memory-from-workers", "get_kv_cache_config_from_groups", plan)
+    install_call_adapter(ctx, patcher, "get_kv_cache_config_from_groups", plan)
 
 
 KV_MEMORY_FROM_WORKERS = Adapter(
@@ -137,11 +137,10 @@ def probe_kv_config_fields(ctx: Context) -> Probe:
     return Probe(True, "KVCacheConfig has no engine-filled fields; only cache_config.block_size is synced")
 
 
-def apply_kv_config_fields(ctx: Context, patcher: Patcher) -> None:
+def apply_kv_config_fields(ctx: Context, patcher: AdapterPatcher) -> None:
     install_call_adapter(
         ctx,
         patcher,
-        "kv-config-engine-fields",
         "get_kv_cache_config_from_groups",
         KeywordPlan(),
         after=_fill_engine_fields,
@@ -232,14 +231,14 @@ def probe_device_memory_query(ctx: Context) -> Probe:
     return Probe(True, f"speculators calls {direct + helpers}; platform 'cpu': no device memory to query")
 
 
-def apply_device_memory_query(ctx: Context, patcher: Patcher) -> None:
+def apply_device_memory_query(ctx: Context, patcher: AdapterPatcher) -> None:
     module = generator_module(ctx)
     direct, helpers = _device_memory_calls(ctx)
     if direct:
-        patcher.replace("device-memory-query", module, "torch", _TorchProxy(module.torch))
+        patcher.replace(module, "torch", _TorchProxy(module.torch))
     replacements = {"mem_get_info": _no_device_memory, "empty_cache": _no_cache_to_empty}
     for name in helpers:
-        patcher.replace("device-memory-query", module, name, replacements[name])
+        patcher.replace(module, name, replacements[name])
 
 
 DEVICE_MEMORY_QUERY = Adapter(

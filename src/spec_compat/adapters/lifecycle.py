@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from .probe import Probe
 from .speculators_code import generator_module
 from .unit import Adapter
@@ -72,7 +72,7 @@ def probe_shutdown_at_exit(ctx: Context) -> Probe:
     return Probe(True, "nothing shuts the engine down at exit (no __del__): workers would be left to multiprocessing")
 
 
-def apply_shutdown_at_exit(ctx: Context, patcher: Patcher) -> None:
+def apply_shutdown_at_exit(ctx: Context, patcher: AdapterPatcher) -> None:
     cls = generator_module(ctx).VllmHiddenStatesGenerator
     original_init: Callable[..., None] = cls.__init__
     live, mark = _LIVE, SHUT_MARK  # closed over: __del__ may run after this module's globals are gone
@@ -86,7 +86,7 @@ def apply_shutdown_at_exit(ctx: Context, patcher: Patcher) -> None:
         original_init(self, *args, **kwargs)
 
     __init__.spec_compat_adapter = ADAPTER_ID  # type: ignore[attr-defined]
-    patcher.replace(ADAPTER_ID, cls, "__init__", __init__)
+    patcher.replace(cls, "__init__", __init__)
 
     original_del: Callable[[Any], None] | None = vars(cls).get("__del__")
     if original_del is not None:
@@ -98,8 +98,8 @@ def apply_shutdown_at_exit(ctx: Context, patcher: Patcher) -> None:
             original_del(self)
 
         __del__.spec_compat_adapter = ADAPTER_ID  # type: ignore[attr-defined]
-        patcher.replace(ADAPTER_ID, cls, "__del__", __del__)
-    patcher.replace(ADAPTER_ID, ExitState, "enabled", True)
+        patcher.replace(cls, "__del__", __del__)
+    patcher.replace(ExitState, "enabled", True)
 
 
 SHUTDOWN_AT_EXIT = Adapter(

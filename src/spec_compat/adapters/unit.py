@@ -22,7 +22,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher, Patcher
 from ..versions import ParsedVersion
 from .probe import Probe
 
@@ -45,7 +45,7 @@ class Adapter:
     detect: str
     delete_when: str
     probe: Callable[[Context], Probe]
-    apply: Callable[[Context, Patcher], None]
+    apply: Callable[[Context, AdapterPatcher], None]  # given patcher.scoped(id): every patch carries this id
     # speculators releases whose code needs it: outside it the adapter is not applied (apply() says why)
     speculators: SpecifierSet = SUPPORTED_SPECULATORS
     # Ids of adapters on the same side that must be applied before / after this one. Where two
@@ -54,6 +54,10 @@ class Adapter:
     # them and refuses a list that cannot satisfy them (registry.ordered).
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
+
+    def install(self, ctx: Context, patcher: Patcher) -> None:
+        """Run ``apply`` with the patcher scoped to this adapter: its patches carry ``self.id``."""
+        self.apply(ctx, patcher.scoped(self.id))
 
     def speculators_excludes(self, installed: ParsedVersion) -> str | None:
         """Why the installed speculators is outside this record's range (None: inside, or unknown)."""

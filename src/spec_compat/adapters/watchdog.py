@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import WorkerTimeout
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from .executor_switches import switch_on
 from .generate import Run, wrap_generate
 from .probe import Probe
@@ -200,7 +200,7 @@ def probe_worker_stack_dump(ctx: Context) -> Probe:
     return Probe(True, "a worker that never answers must show where it is stuck: its stacks on SIGUSR2")
 
 
-def apply_worker_stack_dump(ctx: Context, patcher: Patcher) -> None:
+def apply_worker_stack_dump(ctx: Context, patcher: AdapterPatcher) -> None:
     assert STACK_SIGNAL is not None
     stack_signal = STACK_SIGNAL
     path = os.path.join(os.environ[WATCHDOG_DIR_ENV], f"{os.getpid()}.stack")
@@ -211,7 +211,7 @@ def apply_worker_stack_dump(ctx: Context, patcher: Patcher) -> None:
         faulthandler.unregister(stack_signal)
         handle.close()
 
-    patcher.on_revert("worker-stack-dump", f"faulthandler.register(SIGUSR2, {path})", undo)
+    patcher.on_revert(f"faulthandler.register(SIGUSR2, {path})", undo)
 
 
 WORKER_STACK_DUMP = Adapter(
@@ -264,7 +264,7 @@ EXECUTOR_RPC_DEADLINE = Adapter(
     detect="collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)",
     delete_when="vLLM gives every worker RPC a deadline and reports the stuck ranks",
     probe=probe_rpc_deadline,
-    apply=switch_on("executor-rpc-deadline", "rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s),
+    apply=switch_on("rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s),
 )
 
 
@@ -427,14 +427,14 @@ def probe_signal_shutdown(ctx: Context) -> Probe:
     )
 
 
-def apply_signal_shutdown(ctx: Context, patcher: Patcher) -> None:
+def apply_signal_shutdown(ctx: Context, patcher: AdapterPatcher) -> None:
     def with_signal_shutdown(generator: Any, token_ids: Any, run: Run) -> Any:
         if threading.current_thread() is not threading.main_thread():
             return run(token_ids)  # signal handlers live in the main thread
         with SignalShutdown(getattr(generator, "executor", None)):
             return run(token_ids)
 
-    wrap_generate(ctx, patcher, "generate-signal-shutdown", with_signal_shutdown)
+    wrap_generate(ctx, patcher, with_signal_shutdown)
 
 
 GENERATE_SIGNAL_SHUTDOWN = Adapter(

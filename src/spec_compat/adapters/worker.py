@@ -16,7 +16,7 @@ import wrapt
 
 from .. import transfer
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from ..remote_errors import EncodedWorkerException, encode
 from . import speculators_code
 from .probe import Probe
@@ -60,14 +60,13 @@ def probe_loud_worker_errors(ctx: Context) -> Probe:
     return Probe(True, "vLLM sends only str(exc) from a worker: no type, rank or traceback ('' for AssertionError())")
 
 
-def apply_loud_worker_errors(ctx: Context, patcher: Patcher) -> None:
+def apply_loud_worker_errors(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
     extension = worker.HiddenStatesWorkerExtension
     for name, value in list(vars(extension).items()):
         if inspect.isfunction(value) and not getattr(value, "spec_compat_loud", False):
-            patcher.replace("loud-worker-errors", extension, name, _loud(name, value))
+            patcher.replace(extension, name, _loud(name, value))
     patcher.replace(
-        "loud-worker-errors",
         worker,
         "_patched_forward",
         _loud("model forward (_patched_forward)", worker._patched_forward),
@@ -102,7 +101,7 @@ def probe_capture_gate(ctx: Context) -> Probe:
     return Probe(False, "speculators does not gate on SupportsEagle3")
 
 
-def apply_capture_gate(ctx: Context, patcher: Patcher) -> None:
+def apply_capture_gate(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
     original = worker.supports_eagle3
 
@@ -111,7 +110,7 @@ def apply_capture_gate(ctx: Context, patcher: Patcher) -> None:
         base = _base_model(model)
         return bool(original(model)) or (base is not None and hasattr(base, "layers"))
 
-    patcher.replace("capture-gate", worker, "supports_eagle3", supports_capture)
+    patcher.replace(worker, "supports_eagle3", supports_capture)
 
 
 CAPTURE_GATE = Adapter(
@@ -216,7 +215,7 @@ def probe_wrapper_base_model(ctx: Context) -> Probe:
     )
 
 
-def apply_wrapper_base_model(ctx: Context, patcher: Patcher) -> None:
+def apply_wrapper_base_model(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
     extension_cls = worker.HiddenStatesWorkerExtension
     original = vars(extension_cls)["_setup_hidden_states_capture"]
@@ -238,7 +237,7 @@ def apply_wrapper_base_model(ctx: Context, patcher: Patcher) -> None:
         finally:
             runner.model = model
 
-    patcher.replace("wrapper-base-model", extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
+    patcher.replace(extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
 
 
 WRAPPER_BASE_MODEL = Adapter(
@@ -302,7 +301,7 @@ def _setup_checks(extension: Any, base: Any) -> None:
         )
 
 
-def apply_capture_setup(ctx: Context, patcher: Patcher) -> None:
+def apply_capture_setup(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
     extension_cls = worker.HiddenStatesWorkerExtension
     original = vars(extension_cls)["_setup_hidden_states_capture"]
@@ -327,7 +326,7 @@ def apply_capture_setup(ctx: Context, patcher: Patcher) -> None:
             _setup_checks(self, base)
         return result
 
-    patcher.replace("capture-setup", extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
+    patcher.replace(extension_cls, "_setup_hidden_states_capture", _setup_hidden_states_capture)
 
 
 CAPTURE_SETUP = Adapter(
@@ -356,7 +355,7 @@ def probe_layer_kwargs(ctx: Context) -> Probe:
     return Probe(True, "models may pass extra keywords to their layers (LlamaModel since vLLM 0.15.1)")
 
 
-def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
+def apply_layer_kwargs(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
     original = worker._patched_forward
 
@@ -387,7 +386,7 @@ def apply_layer_kwargs(ctx: Context, patcher: Patcher) -> None:
             for layer in layers:
                 del layer.forward
 
-    patcher.replace("layer-kwargs", worker, "_patched_forward", _patched_forward)
+    patcher.replace(worker, "_patched_forward", _patched_forward)
 
 
 LAYER_KWARGS = Adapter(
@@ -425,7 +424,7 @@ def probe_batch_order_log(ctx: Context) -> Probe:
     return Probe(True, "speculators assumes the runner batched requests in input order; record it to verify")
 
 
-def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
+def apply_batch_order_log(ctx: Context, patcher: AdapterPatcher) -> None:
     extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
     original = vars(extension_cls)["_store_captured_states"]
 
@@ -445,8 +444,8 @@ def apply_batch_order_log(ctx: Context, patcher: Patcher) -> None:
         log = self.__dict__.pop("_spec_compat_batch_log", [])
         return list(log)
 
-    patcher.replace("batch-order-log", extension_cls, "_store_captured_states", _store_captured_states)
-    patcher.add("batch-order-log", extension_cls, "_spec_compat_take_batch_log", _spec_compat_take_batch_log)
+    patcher.replace(extension_cls, "_store_captured_states", _store_captured_states)
+    patcher.add(extension_cls, "_spec_compat_take_batch_log", _spec_compat_take_batch_log)
 
 
 BATCH_ORDER_LOG = Adapter(
@@ -478,7 +477,7 @@ def probe_shared_memory_states(ctx: Context) -> Probe:
     )
 
 
-def apply_shared_memory_states(ctx: Context, patcher: Patcher) -> None:
+def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
     extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
     original = vars(extension_cls)["_get_captured_states"]
 
@@ -494,7 +493,7 @@ def apply_shared_memory_states(ctx: Context, patcher: Patcher) -> None:
             self._spec_compat_segments = pool
         return transfer.pack(result, pool)
 
-    patcher.replace("captured-states-shared-memory", extension_cls, "_get_captured_states", _get_captured_states)
+    patcher.replace(extension_cls, "_get_captured_states", _get_captured_states)
 
 
 CAPTURED_STATES_SHARED_MEMORY = Adapter(

@@ -10,7 +10,7 @@ import functools
 from typing import Any
 
 from ..options import Context
-from ..patching import Patcher
+from ..patching import AdapterPatcher
 from ..remote_errors import encode, is_encoded
 from .probe import Probe
 from .unit import Adapter
@@ -26,7 +26,7 @@ def probe_exception_transport(ctx: Context) -> Probe:
     return Probe(True, "WorkerProc replies (FAILURE, str(exc)): any worker RPC error loses its type and traceback")
 
 
-def apply_exception_transport(ctx: Context, patcher: Patcher) -> None:
+def apply_exception_transport(ctx: Context, patcher: AdapterPatcher) -> None:
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
     original = vars(WorkerProc)["handle_output"]
@@ -38,7 +38,7 @@ def apply_exception_transport(ctx: Context, patcher: Patcher) -> None:
             output = encode(output, rank if rank is not None else getattr(self, "rank", None), "worker RPC")
         return original(self, output)
 
-    patcher.replace("worker-exception-transport", WorkerProc, "handle_output", handle_output)
+    patcher.replace(WorkerProc, "handle_output", handle_output)
 
 
 WORKER_EXCEPTION_TRANSPORT = Adapter(
