@@ -6,6 +6,8 @@ vLLM), so other vLLM callers in the process are unaffected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..calls import CallAdapter, KeywordPlan, accepts, innermost, required
@@ -39,6 +41,30 @@ def keyword_mismatch(ctx: Context, callee: str, keyword: str) -> Literal["missin
     if passes and not accepts(target, keyword):
         return "unexpected"
     return None
+
+
+@dataclass(frozen=True)
+class KeywordSignature:
+    """The probe and apply of an adapter for one keyword on which speculators' calls of ``callee``
+    and vLLM's signature disagree: the keyword is added (``value(kwargs)``) where the callee takes
+    it and dropped where it does not, so either speculators line binds either vLLM."""
+
+    callee: str
+    keyword: str
+    value: Callable[[dict[str, Any]], Any]
+    missing: str  # the probe's reason when the callee requires the keyword and speculators omits it
+    unexpected: str  # ... when speculators passes it and the callee has no such parameter
+
+    def probe(self, ctx: Context) -> Probe:
+        mismatch = keyword_mismatch(ctx, self.callee, self.keyword)
+        if mismatch is None:
+            return Probe(False, f"{self.callee} binds the speculators call as is")
+        return Probe(True, self.missing if mismatch == "missing" else self.unexpected)
+
+    def apply(self, ctx: Context, patcher: AdapterPatcher) -> None:
+        target = innermost(getattr(generator_module(ctx), self.callee))
+        plan = KeywordPlan.add_where_accepted(target, self.keyword, self.value)
+        install_call_adapter(ctx, patcher, self.callee, plan)
 
 
 # ---- Request(eos_token_id=..., block_hasher=...) -------------------------------------------------
@@ -79,19 +105,13 @@ REQUEST_KWARGS = Adapter(
 # 0.4.x always does (so 0.4 on <= 0.11.0 must drop it).
 
 
-def probe_scheduler_config_encoder_decoder(ctx: Context) -> Probe:
-    mismatch = keyword_mismatch(ctx, "SchedulerConfig", "is_encoder_decoder")
-    if mismatch == "missing":
-        return Probe(True, "SchedulerConfig requires is_encoder_decoder; speculators does not pass it")
-    if mismatch == "unexpected":
-        return Probe(True, "speculators passes is_encoder_decoder; this SchedulerConfig has no such field")
-    return Probe(False, "SchedulerConfig binds the speculators call as is")
-
-
-def apply_scheduler_config_encoder_decoder(ctx: Context, patcher: AdapterPatcher) -> None:
-    target = innermost(generator_module(ctx).SchedulerConfig)
-    plan = KeywordPlan.add_where_accepted(target, "is_encoder_decoder", lambda kw: False)
-    install_call_adapter(ctx, patcher, "SchedulerConfig", plan)
+SCHEDULER_CONFIG_KEYWORD = KeywordSignature(
+    "SchedulerConfig",
+    "is_encoder_decoder",
+    lambda kw: False,
+    missing="SchedulerConfig requires is_encoder_decoder; speculators does not pass it",
+    unexpected="speculators passes is_encoder_decoder; this SchedulerConfig has no such field",
+)
 
 
 SCHEDULER_CONFIG_ENCODER_DECODER = Adapter(
@@ -102,8 +122,8 @@ SCHEDULER_CONFIG_ENCODER_DECODER = Adapter(
     vllm_change="0.11.2 added the InitVar, 0.12.0 made it required",
     detect="signature: is_encoder_decoder required / accepted vs AST: passed by speculators",
     delete_when="speculators 0.3.0 is no longer supported",
-    probe=probe_scheduler_config_encoder_decoder,
-    apply=apply_scheduler_config_encoder_decoder,
+    probe=SCHEDULER_CONFIG_KEYWORD.probe,
+    apply=SCHEDULER_CONFIG_KEYWORD.apply,
 )
 
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import wrapt
 
-from ..calls import KeywordPlan, innermost
+from ..calls import KeywordPlan
 from ..options import Context
 from ..patching import AdapterPatcher
 from . import speculators_code
-from .driver_calls import install_call_adapter, keyword_mismatch
+from .driver_calls import KeywordSignature, install_call_adapter
 from .executor_switches import executor_for
 from .probe import Probe
 from .speculators_code import generator_module
@@ -25,19 +25,13 @@ def _specs_from_groups(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: group.kv_cache_spec for group in kwargs["kv_cache_groups"] for name in group.layer_names}
 
 
-def probe_kv_config_signature(ctx: Context) -> Probe:
-    mismatch = keyword_mismatch(ctx, "get_kv_cache_config_from_groups", "kv_cache_specs")
-    if mismatch == "unexpected":
-        return Probe(True, "speculators passes kv_cache_specs, removed in vLLM 0.12.0")
-    if mismatch == "missing":
-        return Probe(True, "this vLLM requires kv_cache_specs; speculators does not pass it")
-    return Probe(False, "get_kv_cache_config_from_groups binds the speculators call as is")
-
-
-def apply_kv_config_signature(ctx: Context, patcher: AdapterPatcher) -> None:
-    target = innermost(generator_module(ctx).get_kv_cache_config_from_groups)
-    plan = KeywordPlan.add_where_accepted(target, "kv_cache_specs", _specs_from_groups)
-    install_call_adapter(ctx, patcher, "get_kv_cache_config_from_groups", plan)
+KV_CONFIG_KEYWORD = KeywordSignature(
+    "get_kv_cache_config_from_groups",
+    "kv_cache_specs",
+    _specs_from_groups,
+    missing="this vLLM requires kv_cache_specs; speculators does not pass it",
+    unexpected="speculators passes kv_cache_specs, removed in vLLM 0.12.0",
+)
 
 
 KV_CONFIG_SIGNATURE = Adapter(
@@ -48,8 +42,8 @@ KV_CONFIG_SIGNATURE = Adapter(
     vllm_change="0.12.0 dropped kv_cache_specs",
     detect="signature vs AST: passed by speculators",
     delete_when="speculators 0.3.0 is no longer supported",
-    probe=probe_kv_config_signature,
-    apply=apply_kv_config_signature,
+    probe=KV_CONFIG_KEYWORD.probe,
+    apply=KV_CONFIG_KEYWORD.apply,
 )
 
 
