@@ -17,6 +17,13 @@ from .probe import Probe
 from .speculators_code import generator_module
 from .unit import Adapter
 
+# Three adapters wrap the generator's get_kv_cache_config_from_groups, each a CallAdapter around the
+# one before: kv-config-signature (adds / drops kv_cache_specs), kv-memory-from-workers (fills
+# available_memory), kv-config-engine-fields (completes the result). Each touches only its own
+# keyword or the result and none reads what another changes, so their nesting order does not
+# matter and the records state no after= / before= (the generate() wrappers, which do depend on
+# each other, do).
+
 # ---- get_kv_cache_config_from_groups(kv_cache_specs=...) -----------------------------------------
 # vLLM 0.12.0 dropped kv_cache_specs (0.11.x required it). speculators 0.3.0 passes it, 0.4.x not.
 
