@@ -299,3 +299,31 @@ def test_close_queues_probe_reads_whether_vllm_closes_sockets_itself() -> None:
 
     assert closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.32 shape
     assert not closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))
+
+
+class _Process:
+    def __init__(self, pid: int, exitcode: int | None) -> None:
+        self.pid, self.exitcode = pid, exitcode
+
+
+class _Handle:
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        self.rank, self.proc = rank, _Process(1000 + rank, exitcode)
+
+
+def test_a_dead_worker_is_named_before_the_error_its_peer_raised_after_it() -> None:
+    """Rank 1 killed: rank 0 then fails in its collective ("connection closed by peer") and that
+    reply may reach the caller first; the cause named is the death, rank 0's error kept with it."""
+    from spec_compat.adapters.executor_failures import diagnosed
+
+    executor = type("Executor", (), {})()
+    peer_error = RuntimeError(f"Worker failed with error '{encode(RuntimeError('Connection closed by peer'), 0, 'm')}'")
+    executor.workers = [_Handle(0, None), _Handle(1, -9)]
+    died = diagnosed(executor, peer_error, "execute_model", {})
+    assert isinstance(died, WorkerError) and died.exc_type == "WorkerProcessDied" and died.rank == 1
+    assert "rank 1 (pid 1001) killed by signal 9 (SIGKILL)" in died.message
+    assert "then TP rank 0 raised RuntimeError: Connection closed by peer" in died.message
+    assert "TP rank 0's traceback" in died.remote_traceback
+    executor.workers = [_Handle(0, None), _Handle(1, None)]  # every worker alive: the error itself
+    alive = diagnosed(executor, peer_error, "execute_model", {"unique_reply_rank": 0})
+    assert isinstance(alive, WorkerError) and alive.exc_type == "RuntimeError" and alive.rank == 0

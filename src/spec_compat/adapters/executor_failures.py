@@ -21,11 +21,19 @@ from .probe import Probe
 from .unit import Adapter
 
 DRAIN_TIMEOUT_S = 60.0
+# After a worker's own exception, how long a peer's death may take to show (its exit code): a rank
+# that failed in a collective because its peer was killed reports within milliseconds of the kill.
+DEATH_AFTER_ERROR_WAIT_S = 0.5
 
 
-def dead_worker_error(executor: Any, method: Any, wait_s: float = 2.0) -> WorkerError | None:
-    """A WorkerError naming the worker process that died, if one did."""
+def dead_worker_error(
+    executor: Any, method: Any, wait_s: float = 2.0, then: WorkerError | None = None
+) -> WorkerError | None:
+    """A WorkerError naming the worker process that died, if one did (``then``: what another rank
+    raised afterwards, named in the message and its traceback kept)."""
     handles = list(getattr(executor, "workers", None) or [])
+    if not handles:
+        return None
     deadline = time.monotonic() + wait_s
     while True:
         dead = [h for h in handles if getattr(getattr(h, "proc", None), "exitcode", None) is not None]
@@ -44,12 +52,14 @@ def dead_worker_error(executor: Any, method: Any, wait_s: float = 2.0) -> Worker
         return f"rank {handle.rank} (pid {handle.proc.pid}) {how}"
 
     name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+    message = "worker process " + "; ".join(describe(h) for h in dead)
+    traceback = "(the process died: no Python traceback; see its log or a core dump)"
+    if then is not None:
+        first_line = (then.message.splitlines() or [""])[0][:300]
+        message += f"; then TP rank {then.rank} raised {then.exc_type}: {first_line}"
+        traceback += f"\n--- TP rank {then.rank}'s traceback ---\n{then.remote_traceback}"
     return WorkerError(
-        exc_type="WorkerProcessDied",
-        message="worker process " + "; ".join(describe(h) for h in dead),
-        rank=first.rank,
-        remote_traceback="(the process died: no Python traceback; see its log or a core dump)",
-        method=name,
+        exc_type="WorkerProcessDied", message=message, rank=first.rank, remote_traceback=traceback, method=name
     )
 
 
@@ -68,14 +78,19 @@ def drain_replies_after(executor: Any, failed_rank: int) -> None:
 
 
 def diagnosed(executor: Any, exc: Exception, method: Any, kwargs: dict[str, Any]) -> Exception | None:
-    """The error to raise instead of vLLM's ``exc`` (None: raise ``exc`` itself): the worker's own
-    exception decoded, else the worker process that died."""
+    """The error to raise instead of vLLM's ``exc`` (None: raise ``exc`` itself): the worker process
+    that died, else the worker's own exception decoded. A death comes first: the other ranks then
+    fail in their collectives (gloo / NCCL "connection closed by peer"), and which of the two
+    reaches the caller first is a race, while the cause is the death."""
     decoded = remote_errors.decode(str(exc))
+    died = dead_worker_error(executor, method, wait_s=DEATH_AFTER_ERROR_WAIT_S if decoded else 2.0, then=decoded)
+    if died is not None:
+        return died
     if decoded is not None:
         if kwargs.get("unique_reply_rank") is None and decoded.rank is not None:
             drain_replies_after(executor, decoded.rank)
         return decoded
-    return dead_worker_error(executor, method)
+    return None
 
 
 # ---- executor-all-ranks-reply -----------------------------------------------------------------------
