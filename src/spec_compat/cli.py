@@ -129,28 +129,19 @@ def main(argv: list[str] | None = None) -> int:
             extract.error("--ray-address needs --replicas N")
         if args.max_retries < 0:
             extract.error(f"--max-retries must be >= 0, got {args.max_retries}")
+        # the options stored under the config field's own name, then those renamed or derived
+        same_name = (
+            "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",
+            "text_field", "ids_field", "on_error", "dtype", "save_dtype", "gpu_memory_utilization", "zip_crc32",
+            "conversations", "seed",
+        )  # fmt: skip
         config = ExtractConfig(
-            model=args.model,
-            input=args.input,
-            output=args.output,
+            **{name: getattr(args, name) for name in same_name},
             layer_ids=layer_ids,
             tensor_parallel_size=args.tp,
-            max_model_len=args.max_model_len,
-            batch_size=args.batch_size,
-            batch_tokens=args.batch_tokens,
             writer_threads=args.writer_threads or default_writer_threads(),
-            pending_batches=args.pending_batches,
-            text_field=args.text_field,
-            ids_field=args.ids_field,
             shard=shard,
-            on_error=args.on_error,
-            dtype=args.dtype,
-            save_dtype=args.save_dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            zip_crc32=args.zip_crc32,
             fsync=not args.no_fsync,
-            conversations=args.conversations,
-            seed=args.seed,
         )
         try:
             if args.replicas is not None:

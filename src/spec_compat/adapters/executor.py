@@ -228,12 +228,14 @@ def probe_worker_adapters(ctx: Context) -> Probe:
 
 EXECUTOR = Adapter(
     id="executor",
+    notes="""
+    why: the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker errors are adapted
+    vllm change: see the executor-* adapters
+    detect: always
+    delete when: the last executor-* adapter is deleted
+    patches: vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the adapters below)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the adapters below)",
-    why="the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker errors are adapted",
-    vllm_change="see the executor-* adapters",
-    detect="always",
-    delete_when="the last executor-* adapter is deleted",
     probe=probe_worker_adapters,
     apply=switch_on("worker_options_json", lambda ctx: ctx.options.to_json()),
 )

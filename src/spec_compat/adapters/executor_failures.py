@@ -106,12 +106,14 @@ def probe_all_ranks_reply(ctx: Context) -> Probe:
 
 EXECUTOR_ALL_RANKS_REPLY = Adapter(
     id="executor-all-ranks-reply",
+    notes="""
+    why: with unique_reply_rank=k an exception on another rank is only logged in that worker
+    vllm change: all releases (vLLM #23985)
+    detect: always
+    delete when: vLLM reports failures from every rank
+    patches: MultiprocExecutor.collective_rpc for speculators' worker methods
+    """,
     side="driver",
-    patches="MultiprocExecutor.collective_rpc for speculators' worker methods",
-    why="with unique_reply_rank=k an exception on another rank is only logged in that worker",
-    vllm_change="all releases (vLLM #23985)",
-    detect="always",
-    delete_when="vLLM reports failures from every rank",
     probe=probe_all_ranks_reply,
     apply=switch_on("all_ranks_reply"),
 )

@@ -45,13 +45,15 @@ def probe_reply_shape(ctx: Context) -> Probe:
 
 EXECUTOR_REPLY_SHAPE = Adapter(
     id="executor-reply-shape",
+    notes="""
+    why: 0.3.0 indexes [0] on the reply, now the first layer's tensor ('Boolean value of Tensor ... is ambiguous'); the
+        771 x [512] corruption in the user's story
+    vllm change: 0.11.2 returns the bare rank-k result instead of [result]
+    detect: AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator
+    delete when: speculators 0.3.0 is no longer supported
+    patches: MultiprocExecutor.collective_rpc(unique_reply_rank=k) result
+    """,
     side="driver",
-    patches="MultiprocExecutor.collective_rpc(unique_reply_rank=k) result",
-    why="0.3.0 indexes [0] on the reply, now the first layer's tensor ('Boolean value of Tensor ... is "
-    "ambiguous'); the 771 x [512] corruption in the user's story",
-    vllm_change="0.11.2 returns the bare rank-k result instead of [result]",
-    detect="AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_reply_shape,
     apply=switch_on("reply_as_list"),
     # every release: the probe also finds the reverse mismatch (0.4.x on vLLM <= 0.11.0, blocking)
@@ -74,12 +76,14 @@ def probe_sample_tokens(ctx: Context) -> Probe:
 
 EXECUTOR_SAMPLE_TOKENS = Adapter(
     id="executor-sample-tokens",
+    notes="""
+    why: 'State error: sample_tokens() must be called after execute_model() returns None.'
+    vllm change: 0.11.2 split execute_model / sample_tokens
+    detect: hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it
+    delete when: speculators 0.3.0 is no longer supported
+    patches: MultiprocExecutor.execute_model (calls sample_tokens(None) when execute_model returns None)
+    """,
     side="driver",
-    patches="MultiprocExecutor.execute_model (calls sample_tokens(None) when execute_model returns None)",
-    why="'State error: sample_tokens() must be called after execute_model() returns None.'",
-    vllm_change="0.11.2 split execute_model / sample_tokens",
-    detect="hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_sample_tokens,
     apply=switch_on("sample_after_execute"),
     speculators=SPECULATORS_0_3_ONLY,
@@ -112,12 +116,14 @@ def probe_kv_layout(ctx: Context) -> Probe:
 
 EXECUTOR_KV_LAYOUT = Adapter(
     id="executor-kv-layout",
+    notes="""
+    why: workers fail allocating the KV cache: layout never resolved
+    vllm change: 0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)
+    detect: hasattr(MultiprocExecutor, 'set_kv_cache_layout')
+    delete when: the layout is resolved inside initialize_from_config
+    patches: MultiprocExecutor.__init__ (resolve and publish the KV cache layout)
+    """,
     side="driver",
-    patches="MultiprocExecutor.__init__ (resolve and publish the KV cache layout)",
-    why="workers fail allocating the KV cache: layout never resolved",
-    vllm_change="0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)",
-    detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
-    delete_when="the layout is resolved inside initialize_from_config",
     probe=probe_kv_layout,
     apply=switch_on("resolve_kv_layout"),
 )
@@ -149,13 +155,15 @@ def probe_v1_model_runner(ctx: Context) -> Probe:
 
 EXECUTOR_MODEL_RUNNER_V1 = Adapter(
     id="executor-model-runner-v1",
+    notes="""
+    why: speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices captures in V1 batch
+        order, V2 sorts the batch by token count (silently wrong)
+    vllm change: 0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models
+    detect: AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER
+    delete when: vLLM drops the V1 runner (then the capture must learn V2's batch order)
+    patches: VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)
+    """,
     side="driver",
-    patches="VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)",
-    why="speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices "
-    "captures in V1 batch order, V2 sorts the batch by token count (silently wrong)",
-    vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
-    detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
-    delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
     probe=probe_v1_model_runner,
     apply=switch_on("force_v1_model_runner"),
 )

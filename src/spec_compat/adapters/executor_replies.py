@@ -57,13 +57,15 @@ def probe_read_once_reply(ctx: Context) -> Probe:
 
 RPC_REPLY_READ_ONCE = Adapter(
     id="rpc-reply-read-once",
+    notes="""
+    why: driver peak memory ~2x the returned bytes (benchmarks #5: 1.87x / 2.00x for 10k tokens x 4 layers): generate()
+        clones every captured tensor while the whole reply stays referenced
+    vllm change: none: speculators 0.4.x's generate() pattern (clone per request of a dict reply)
+    detect: AST: generate() reads the unique reply by key at one place, inside a for loop
+    delete when: speculators releases the reply entries itself (or stops cloning tensors it owns)
+    patches: MultiprocExecutor.collective_rpc (a dict reply of speculators' RPCs becomes a read-once mapping)
+    """,
     side="driver",
-    patches="MultiprocExecutor.collective_rpc (a dict reply of speculators' RPCs becomes a read-once mapping)",
-    why="driver peak memory ~2x the returned bytes (benchmarks #5: 1.87x / 2.00x for 10k tokens x 4 layers): "
-    "generate() clones every captured tensor while the whole reply stays referenced",
-    vllm_change="none: speculators 0.4.x's generate() pattern (clone per request of a dict reply)",
-    detect="AST: generate() reads the unique reply by key at one place, inside a for loop",
-    delete_when="speculators releases the reply entries itself (or stops cloning tensors it owns)",
     probe=probe_read_once_reply,
     apply=switch_on("read_once_replies"),
 )

@@ -175,12 +175,14 @@ def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
 
 INPUT_VALIDATION = Adapter(
     id="input-validation",
+    notes="""
+    why: empty, negative, non-integer or out-of-vocabulary ids fail deep inside the engine or not at all
+    vllm change: none: a guard
+    detect: always
+    delete when: never
+    patches: VllmHiddenStatesGenerator.generate (input checks before vLLM is touched)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.generate (input checks before vLLM is touched)",
-    why="empty, negative, non-integer or out-of-vocabulary ids fail deep inside the engine or not at all",
-    vllm_change="none: a guard",
-    detect="always",
-    delete_when="never",
     probe=probe_input_validation,
     apply=apply_input_validation,
     # outside every other generate wrapper: they all take the lists of ints it makes of token_ids
@@ -264,14 +266,16 @@ def apply_layer_ids(ctx: Context, patcher: AdapterPatcher) -> None:
 
 LAYER_IDS = Adapter(
     id="layer-ids",
+    notes="""
+    why: duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k];
+        speculators' default for a model under 8 layers repeats ids (6 layers: [2, 3, 3, 5])
+    vllm change: none: speculators keeps layer ids in a frozenset
+    detect: always
+    delete when: speculators validates and orders layer ids
+    patches: VllmHiddenStatesGenerator.__init__ and _create_vllm_config (reject duplicates, given or speculators'
+        default, before the weights load) and generate (requested layer order)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.__init__ and _create_vllm_config (reject duplicates, given or "
-    "speculators' default, before the weights load) and generate (requested layer order)",
-    why="duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k]; "
-    "speculators' default for a model under 8 layers repeats ids (6 layers: [2, 3, 3, 5])",
-    vllm_change="none: speculators keeps layer ids in a frozenset",
-    detect="always",
-    delete_when="speculators validates and orders layer ids",
     probe=probe_layer_ids,
     apply=apply_layer_ids,
     # generate: the layers of the whole batch's results, once, after the splitting and reordering wrappers
@@ -334,12 +338,14 @@ def apply_input_order(ctx: Context, patcher: AdapterPatcher) -> None:
 
 INPUT_ORDER = Adapter(
     id="input-order",
+    notes="""
+    why: results come back in sorted(request_id) order: 'req_0_10' < 'req_0_2', batches of 11+ permuted
+    vllm change: none: speculators 0.4.x bug (speculators PR #365)
+    detect: AST: generate() iterates sorted(...)
+    delete when: speculators returns results in input order
+    patches: VllmHiddenStatesGenerator.generate (results back in input order)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.generate (results back in input order)",
-    why="results come back in sorted(request_id) order: 'req_0_10' < 'req_0_2', batches of 11+ permuted",
-    vllm_change="none: speculators 0.4.x bug (speculators PR #365)",
-    detect="AST: generate() iterates sorted(...)",
-    delete_when="speculators returns results in input order",
     probe=probe_input_order,
     apply=apply_input_order,
     # once over the whole batch's results, after the splitting wrappers joined their parts
@@ -373,14 +379,16 @@ def apply_sequence_limit(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SEQUENCE_LIMIT = Adapter(
     id="sequence-limit",
+    notes="""
+    why: requests beyond max_num_seqs (32) are never scheduled: 'Request req_0_32 not found in captured states' for a
+        batch of 48
+    vllm change: none: speculators never calls scheduler.update_from_output, so prefilled requests keep their running
+        slot (found on the H200 with a 48-prompt batch)
+    detect: AST: generate() does not call update_from_output
+    delete when: speculators frees finished requests or splits batches itself
+    patches: VllmHiddenStatesGenerator.generate (sub-batches of at most max_num_seqs inputs)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.generate (sub-batches of at most max_num_seqs inputs)",
-    why="requests beyond max_num_seqs (32) are never scheduled: 'Request req_0_32 not found in captured "
-    "states' for a batch of 48",
-    vllm_change="none: speculators never calls scheduler.update_from_output, so prefilled requests keep "
-    "their running slot (found on the H200 with a 48-prompt batch)",
-    detect="AST: generate() does not call update_from_output",
-    delete_when="speculators frees finished requests or splits batches itself",
     probe=probe_sequence_limit,
     apply=apply_sequence_limit,
     # each part that fits the running slots is planned into single steps (0.3.0)
@@ -479,13 +487,15 @@ def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SINGLE_STEP_BATCHES = Adapter(
     id="single-step-batches",
+    notes="""
+    why: 0.3.0 aborts requests after their first chunk and slices by input offsets: chunked prefill or a reordered batch
+        gives wrong states silently
+    vllm change: none: speculators 0.3.0 logic (fixed in 0.4 by speculators #283)
+    detect: AST: generate() calls finish_requests and slices by offset
+    delete when: speculators 0.3.0 is no longer supported
+    patches: VllmHiddenStatesGenerator.generate (sub-batches of one scheduler step, verified)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.generate (sub-batches of one scheduler step, verified)",
-    why="0.3.0 aborts requests after their first chunk and slices by input offsets: chunked prefill or a "
-    "reordered batch gives wrong states silently",
-    vllm_change="none: speculators 0.3.0 logic (fixed in 0.4 by speculators #283)",
-    detect="AST: generate() calls finish_requests and slices by offset",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_single_step,
     apply=apply_single_step,
     speculators=SPECULATORS_0_3_ONLY,
@@ -561,12 +571,14 @@ def apply_results_contract(ctx: Context, patcher: AdapterPatcher) -> None:
 
 RESULTS_CONTRACT = Adapter(
     id="results-contract",
+    notes="""
+    why: wrong shapes or orders must never pass silently (771 x [512] instead of 4 x [771, 7168])
+    vllm change: none: a guard
+    detect: apply(check_results=True), the default
+    delete when: never
+    patches: VllmHiddenStatesGenerator.generate (output contract check)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.generate (output contract check)",
-    why="wrong shapes or orders must never pass silently (771 x [512] instead of 4 x [771, 7168])",
-    vllm_change="none: a guard",
-    detect="apply(check_results=True), the default",
-    delete_when="never",
     probe=probe_results_contract,
     apply=apply_results_contract,
     # checks what the caller gets: the whole batch, in input order, layers in the requested order

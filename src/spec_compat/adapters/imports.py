@@ -45,14 +45,16 @@ def apply_transformers_torch_annotation(ctx: Context, patcher: AdapterPatcher) -
 
 TRANSFORMERS_TORCH_ANNOTATION = Adapter(
     id="transformers-torch-annotation",
+    notes="""
+    why: `import speculators` raises PydanticUndefinedAnnotation: name 'torch' is not defined
+    vllm change: transformers 5 (pulled in by vLLM >= 0.24.0) annotates PretrainedConfig.dtype with torch.dtype,
+        importing torch only under TYPE_CHECKING
+    detect: PretrainedConfig annotations mention torch and the module has no `torch` name
+    delete when: speculators stops rebuilding pydantic models over PretrainedConfig, or transformers binds torch at
+        module level
+    patches: transformers.configuration_utils.torch (added alias)
+    """,
     side="import",
-    patches="transformers.configuration_utils.torch (added alias)",
-    why="`import speculators` raises PydanticUndefinedAnnotation: name 'torch' is not defined",
-    vllm_change="transformers 5 (pulled in by vLLM >= 0.24.0) annotates PretrainedConfig.dtype with "
-    "torch.dtype, importing torch only under TYPE_CHECKING",
-    detect="PretrainedConfig annotations mention torch and the module has no `torch` name",
-    delete_when="speculators stops rebuilding pydantic models over PretrainedConfig, or transformers "
-    "binds torch at module level",
     probe=probe_transformers_torch_annotation,
     apply=apply_transformers_torch_annotation,
 )
@@ -171,16 +173,18 @@ def apply_transformers_removed_modules(ctx: Context, patcher: AdapterPatcher) ->
 
 TRANSFORMERS_REMOVED_MODULES = Adapter(
     id="transformers-removed-modules",
+    notes="""
+    why: `import speculators` raises ModuleNotFoundError: No module named 'transformers.modeling_attn_mask_utils' (its
+        EAGLE-1 model imports _prepare_4d_causal_attention_mask)
+    vllm change: transformers 5.24.0 removed modeling_attn_mask_utils; vLLM 0.24.0-0.30.0 pin transformers >=5.5.3 /
+        >=5.10.4 with no upper bound, so a fresh install resolves to it (found by the version matrix)
+    detect: a module-level `from transformers.X import ...` in speculators' sources names a module that importlib cannot
+        find
+    delete when: speculators stops importing transformers internals at module level, or vLLM caps transformers below
+        5.24
+    patches: sys.modules['transformers.<module>'] (added placeholder modules, e.g. modeling_attn_mask_utils)
+    """,
     side="import",
-    patches="sys.modules['transformers.<module>'] (added placeholder modules, e.g. modeling_attn_mask_utils)",
-    why="`import speculators` raises ModuleNotFoundError: No module named "
-    "'transformers.modeling_attn_mask_utils' (its EAGLE-1 model imports _prepare_4d_causal_attention_mask)",
-    vllm_change="transformers 5.24.0 removed modeling_attn_mask_utils; vLLM 0.24.0-0.30.0 pin transformers "
-    ">=5.5.3 / >=5.10.4 with no upper bound, so a fresh install resolves to it (found by the version matrix)",
-    detect="a module-level `from transformers.X import ...` in speculators' sources names a module that "
-    "importlib cannot find",
-    delete_when="speculators stops importing transformers internals at module level, or vLLM caps "
-    "transformers below 5.24",
     probe=probe_transformers_removed_modules,
     apply=apply_transformers_removed_modules,
 )
@@ -219,13 +223,15 @@ def apply_kv_cache_planning_aliases(ctx: Context, patcher: AdapterPatcher) -> No
 
 KV_CACHE_PLANNING_ALIASES = Adapter(
     id="kv-cache-planning-aliases",
+    notes="""
+    why: speculators imports them from kv_cache_utils: ImportError at import
+    vllm change: 0.33.0 moved them to vllm.v1.core.kv_cache_planning
+    detect: the names are missing from kv_cache_utils and present in kv_cache_planning
+    delete when: speculators' generator is no longer used with vLLM >= 0.33
+    patches: vllm.v1.core.kv_cache_utils.{_get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups,
+        unify_hybrid_kv_cache_specs} (added aliases)
+    """,
     side="import",
-    patches="vllm.v1.core.kv_cache_utils.{_get_kv_cache_groups_uniform_spec, "
-    "get_kv_cache_config_from_groups, unify_hybrid_kv_cache_specs} (added aliases)",
-    why="speculators imports them from kv_cache_utils: ImportError at import",
-    vllm_change="0.33.0 moved them to vllm.v1.core.kv_cache_planning",
-    detect="the names are missing from kv_cache_utils and present in kv_cache_planning",
-    delete_when="speculators' generator is no longer used with vLLM >= 0.33",
     probe=probe_kv_cache_planning_aliases,
     apply=apply_kv_cache_planning_aliases,
 )

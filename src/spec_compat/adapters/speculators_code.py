@@ -31,6 +31,12 @@ def worker_module(ctx: Context) -> Any:
     return ctx.worker
 
 
+def extension_method(ctx: Context, name: str) -> tuple[Any, Any]:
+    """speculators' HiddenStatesWorkerExtension and the method ``name`` it defines itself."""
+    extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
+    return extension_cls, vars(extension_cls)[name]
+
+
 def import_generator() -> ModuleType:
     return importlib.import_module(GENERATOR_MODULE)
 

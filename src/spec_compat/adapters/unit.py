@@ -1,5 +1,6 @@
-"""What one adapter is: its record (id, side, speculators range, why, vLLM change, detect, delete
-when), its feature probe and its apply, in one value.
+"""What one adapter is: its record (id, side, speculators range, and its notes: what it patches, why,
+the vLLM change, how it is detected, when it can be deleted), its feature probe and its apply, in one
+value.
 
 Every adapter module defines its units beside the probe and apply they name; ``registry.py`` is
 the ordered list of those units. This module sits in adapters/ (not beside the registry) because
@@ -14,8 +15,10 @@ the adapter modules define units and must not import upward (tests/test_boundary
 
 from __future__ import annotations
 
+import re
+import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from packaging.specifiers import SpecifierSet
@@ -35,15 +38,41 @@ SPECULATORS_0_3_ONLY = SpecifierSet("<0.4")
 SPECULATORS_0_4_ONLY = SpecifierSet(">=0.4,<0.5")
 
 
+# The notes every record carries, in the order they are written: "<key>: <text>", a longer text
+# continued on more-indented lines (joined with single spaces).
+NOTE_KEYS = ("why", "vllm change", "detect", "delete when", "patches")
+_NOTE_LINE = re.compile(r"^(?P<key>[a-z][a-z ]*): (?P<text>.*)$")
+
+
+def parse_notes(notes: str) -> dict[str, str]:
+    """The five notes of a record (``NOTE_KEYS``), each exactly once; anything else raises ValueError."""
+    parsed: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in textwrap.dedent(notes).strip("\n").splitlines():
+        if line.startswith((" ", "\t")):
+            if current is None:
+                raise ValueError(f"a continued line before any note: {line.strip()!r}")
+            current.append(line.strip())
+            continue
+        match = _NOTE_LINE.match(line)
+        if match is None or match["key"] not in NOTE_KEYS:
+            raise ValueError(f"not a note ({', '.join(NOTE_KEYS)}): {line!r}")
+        if match["key"] in parsed:
+            raise ValueError(f"note {match['key']!r} written twice")
+        current = parsed[match["key"]] = [match["text"].strip()]
+    missing = [key for key in NOTE_KEYS if key not in parsed]
+    if missing:
+        raise ValueError(f"notes missing: {', '.join(missing)}")
+    return {key: " ".join(parsed[key]) for key in NOTE_KEYS}
+
+
 @dataclass(frozen=True)
 class Adapter:
     id: str
     side: Side
-    patches: str
-    why: str
-    vllm_change: str  # first release that needs it, and the upstream change when known
-    detect: str
-    delete_when: str
+    # patches / why / vllm change (first release that needs it, and the upstream change when known) /
+    # detect / delete when, parsed by parse_notes into the fields of the same names below
+    notes: str
     probe: Callable[[Context], Probe]
     apply: Callable[[Context, AdapterPatcher], None]  # given patcher.scoped(id): every patch carries this id
     # speculators releases whose code needs it: outside it the adapter is not applied (apply() says why)
@@ -54,6 +83,19 @@ class Adapter:
     # them and refuses a list that cannot satisfy them (registry.ordered).
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
+    patches: str = field(init=False)
+    why: str = field(init=False)
+    vllm_change: str = field(init=False)
+    detect: str = field(init=False)
+    delete_when: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        try:
+            parsed = parse_notes(self.notes)
+        except ValueError as exc:
+            raise ValueError(f"adapter {self.id}: {exc}") from None
+        for key, text in parsed.items():
+            object.__setattr__(self, key.replace(" ", "_"), text)
 
     def install(self, ctx: Context, patcher: Patcher) -> None:
         """Run ``apply`` with the patcher scoped to this adapter: its patches carry ``self.id``."""

@@ -216,15 +216,17 @@ def apply_worker_stack_dump(ctx: Context, patcher: AdapterPatcher) -> None:
 
 WORKER_STACK_DUMP = Adapter(
     id="worker-stack-dump",
+    notes="""
+    why: a rank that never answers must say where it is stuck: the driver's hang report (WorkerTimeout) carries every
+        thread's Python stack of each silent rank, taken at the deadline
+    vllm change: none: vLLM workers have no stack-dump hook (a stuck rank is silent on every release)
+    detect: SIGUSR2 and faulthandler.register exist; the driver's executor set SPEC_COMPAT_WATCHDOG_DIR
+        (executor-rpc-deadline)
+    delete when: vLLM reports stuck workers' stacks itself
+    patches: faulthandler.register(SIGUSR2, <watchdog dir>/<pid>.stack, all_threads=True), in spec_compat's worker
+        processes only
+    """,
     side="worker-process",
-    patches="faulthandler.register(SIGUSR2, <watchdog dir>/<pid>.stack, all_threads=True), in spec_compat's "
-    "worker processes only",
-    why="a rank that never answers must say where it is stuck: the driver's hang report (WorkerTimeout) "
-    "carries every thread's Python stack of each silent rank, taken at the deadline",
-    vllm_change="none: vLLM workers have no stack-dump hook (a stuck rank is silent on every release)",
-    detect="SIGUSR2 and faulthandler.register exist; the driver's executor set SPEC_COMPAT_WATCHDOG_DIR "
-    "(executor-rpc-deadline)",
-    delete_when="vLLM reports stuck workers' stacks itself",
     probe=probe_worker_stack_dump,
     apply=apply_worker_stack_dump,
 )
@@ -252,17 +254,18 @@ def probe_rpc_deadline(ctx: Context) -> Probe:
 
 EXECUTOR_RPC_DEADLINE = Adapter(
     id="executor-rpc-deadline",
+    notes="""
+    why: speculators' RPCs pass no timeout: a rank blocked forever (tried: rank 1 inside _get_captured_states, TP=2)
+        left generate() waiting with no output for as long as one waited (issue 14); vLLM's own model-step deadline (300
+        s) is too short for a first step without warm-up and its TimeoutError names no rank
+    vllm change: none: every release's collective_rpc(timeout=) defaults to None for callers that pass none
+    detect: collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)
+    delete when: vLLM gives every worker RPC a deadline and reports the stuck ranks
+    patches: MultiprocExecutor.__init__ / collective_rpc / shutdown (timeout= on generate()'s model steps and
+        speculators' worker RPCs; replies counted per rank; a timeout becomes WorkerTimeout with the silent ranks'
+        stacks and process states, then the engine is shut down; later calls raise EngineStopped)
+    """,
     side="driver",
-    patches="MultiprocExecutor.__init__ / collective_rpc / shutdown (timeout= on generate()'s model steps "
-    "and speculators' worker RPCs; replies counted per rank; a timeout becomes WorkerTimeout with the "
-    "silent ranks' stacks and process states, then the engine is shut down; later calls raise EngineStopped)",
-    why="speculators' RPCs pass no timeout: a rank blocked forever (tried: rank 1 inside "
-    "_get_captured_states, TP=2) left generate() waiting with no output for as long as one waited "
-    "(issue 14); vLLM's own model-step deadline (300 s) is too short for a first step without warm-up "
-    "and its TimeoutError names no rank",
-    vllm_change="none: every release's collective_rpc(timeout=) defaults to None for callers that pass none",
-    detect="collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)",
-    delete_when="vLLM gives every worker RPC a deadline and reports the stuck ranks",
     probe=probe_rpc_deadline,
     apply=switch_on("rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s),
 )
@@ -420,11 +423,7 @@ class SignalShutdown:
 def probe_signal_shutdown(ctx: Context) -> Probe:
     if not hasattr(signal, "SIGTERM") or sys.platform == "win32":
         return Probe(False, "no POSIX signals on this platform")
-    return Probe(
-        True,
-        "SIGINT/SIGTERM during generate() leave the workers mid-call (SIGTERM: killed without any cleanup); "
-        "the engine is shut down first, a second signal forces the exit",
-    )
+    return Probe(True, "a signal during generate() would leave the workers mid-call; the engine is shut down first")
 
 
 def apply_signal_shutdown(ctx: Context, patcher: AdapterPatcher) -> None:
@@ -439,14 +438,16 @@ def apply_signal_shutdown(ctx: Context, patcher: AdapterPatcher) -> None:
 
 GENERATE_SIGNAL_SHUTDOWN = Adapter(
     id="generate-signal-shutdown",
+    notes="""
+    why: Ctrl-C or SIGTERM in the middle of generate() left the workers mid-call (SIGTERM: the driver killed with no
+        cleanup); the user must not need `ps aux` to know whether anything is still running
+    vllm change: none: speculators' generator drives the engine itself, outside vLLM's engine-core signal handling
+    detect: POSIX signals
+    delete when: speculators' generator runs on vLLM's LLM / engine core, which handles signals
+    patches: VllmHiddenStatesGenerator.generate (SIGINT/SIGTERM handlers while it runs in the main thread, where the
+        caller left the defaults; the engine is shut down before KeyboardInterrupt / exit 143)
+    """,
     side="driver",
-    patches="VllmHiddenStatesGenerator.generate (SIGINT/SIGTERM handlers while it runs in the main thread, "
-    "where the caller left the defaults; the engine is shut down before KeyboardInterrupt / exit 143)",
-    why="Ctrl-C or SIGTERM in the middle of generate() left the workers mid-call (SIGTERM: the driver "
-    "killed with no cleanup); the user must not need `ps aux` to know whether anything is still running",
-    vllm_change="none: speculators' generator drives the engine itself, outside vLLM's engine-core signal handling",
-    detect="POSIX signals",
-    delete_when="speculators' generator runs on vLLM's LLM / engine core, which handles signals",
     probe=probe_signal_shutdown,
     apply=apply_signal_shutdown,
     # outermost: its handlers are in place for the whole call, every other wrapper's work included

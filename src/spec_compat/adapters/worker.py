@@ -20,7 +20,7 @@ from ..patching import AdapterPatcher
 from ..remote_errors import EncodedWorkerException, encode
 from . import speculators_code
 from .probe import Probe
-from .speculators_code import worker_module
+from .speculators_code import extension_method, worker_module
 from .unit import SPECULATORS_0_3_ONLY, Adapter
 
 logger = logging.getLogger("spec_compat.worker")
@@ -75,12 +75,14 @@ def apply_loud_worker_errors(ctx: Context, patcher: AdapterPatcher) -> None:
 
 LOUD_WORKER_ERRORS = Adapter(
     id="loud-worker-errors",
+    notes="""
+    why: a worker exception reaches the caller as `Worker failed with error ''`: no type, rank or traceback
+    vllm change: all releases: WorkerProc replies (FAILURE, str(exc))
+    detect: always
+    delete when: vLLM transports exception type and traceback from workers
+    patches: every HiddenStatesWorkerExtension method and custom_worker._patched_forward
+    """,
     side="worker",
-    patches="every HiddenStatesWorkerExtension method and custom_worker._patched_forward",
-    why="a worker exception reaches the caller as `Worker failed with error ''`: no type, rank or traceback",
-    vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
-    detect="always",
-    delete_when="vLLM transports exception type and traceback from workers",
     probe=probe_loud_worker_errors,
     apply=apply_loud_worker_errors,
     # wraps the extension's methods and _patched_forward as the other worker adapters left them (it
@@ -115,12 +117,14 @@ def apply_capture_gate(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CAPTURE_GATE = Adapter(
     id="capture-gate",
+    notes="""
+    why: 0.3.0 refuses models without vLLM's SupportsEagle3 interface although capture only needs `layers`
+    vllm change: models gained SupportsEagle3 late (Qwen3-MoE 0.11.2, DeepSeek-V2/V3 0.18.1; Mixtral never)
+    detect: custom_worker defines the name supports_eagle3
+    delete when: speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)
+    patches: custom_worker.supports_eagle3
+    """,
     side="worker",
-    patches="custom_worker.supports_eagle3",
-    why="0.3.0 refuses models without vLLM's SupportsEagle3 interface although capture only needs `layers`",
-    vllm_change="models gained SupportsEagle3 late (Qwen3-MoE 0.11.2, DeepSeek-V2/V3 0.18.1; Mixtral never)",
-    detect="custom_worker defines the name supports_eagle3",
-    delete_when="speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)",
     probe=probe_capture_gate,
     apply=apply_capture_gate,
     speculators=SPECULATORS_0_3_ONLY,
@@ -217,8 +221,7 @@ def probe_wrapper_base_model(ctx: Context) -> Probe:
 
 def apply_wrapper_base_model(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
-    extension_cls = worker.HiddenStatesWorkerExtension
-    original = vars(extension_cls)["_setup_hidden_states_capture"]
+    extension_cls, original = extension_method(ctx, "_setup_hidden_states_capture")
     reads_language_model = "get_language_model" in _setup_reads(worker)
 
     @functools.wraps(original)
@@ -242,18 +245,20 @@ def apply_wrapper_base_model(ctx: Context, patcher: AdapterPatcher) -> None:
 
 WRAPPER_BASE_MODEL = Adapter(
     id="wrapper-base-model",
+    notes="""
+    why: capture set-up of a multimodal wrapper fails: AttributeError: 'KimiK25ForConditionalGeneration' object has no
+        attribute 'model' (0.3.0 reads model.model; 0.4.x get_language_model().model, whose shape differs between
+        releases and models)
+    vllm change: none for one release: multimodal wrappers keep their text model as `.language_model`
+        (KimiK25ForConditionalGeneration in 0.32.0, Llava-style models), not `.model`; what get_language_model()
+        (SupportsMultiModal) returns depends on the release and the model
+    detect: AST: which of model / get_language_model the set-up reads; at set-up: whether that lookup gives a module
+        with `layers`, else the base model found by probing (get_language_model(), then the one child holding a decoder
+        stack)
+    delete when: speculators finds the base model through vLLM's own interface for every model
+    patches: custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture
+    """,
     side="worker",
-    patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",
-    why="capture set-up of a multimodal wrapper fails: AttributeError: 'KimiK25ForConditionalGeneration' "
-    "object has no attribute 'model' (0.3.0 reads model.model; 0.4.x get_language_model().model, whose "
-    "shape differs between releases and models)",
-    vllm_change="none for one release: multimodal wrappers keep their text model as `.language_model` "
-    "(KimiK25ForConditionalGeneration in 0.32.0, Llava-style models), not `.model`; what "
-    "get_language_model() (SupportsMultiModal) returns depends on the release and the model",
-    detect="AST: which of model / get_language_model the set-up reads; at set-up: whether that lookup gives a "
-    "module with `layers`, else the base model found by probing (get_language_model(), then the one child "
-    "holding a decoder stack)",
-    delete_when="speculators finds the base model through vLLM's own interface for every model",
     probe=probe_wrapper_base_model,
     apply=apply_wrapper_base_model,
 )
@@ -303,8 +308,7 @@ def _setup_checks(extension: Any, base: Any) -> None:
 
 def apply_capture_setup(ctx: Context, patcher: AdapterPatcher) -> None:
     worker = worker_module(ctx)
-    extension_cls = worker.HiddenStatesWorkerExtension
-    original = vars(extension_cls)["_setup_hidden_states_capture"]
+    extension_cls, original = extension_method(ctx, "_setup_hidden_states_capture")
     called = _embed_name_called(worker)
     reads_input_batch = "input_batch" in speculators_code.attribute_names_used(extension_cls._store_captured_states)
 
@@ -331,14 +335,16 @@ def apply_capture_setup(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CAPTURE_SETUP = Adapter(
     id="capture-setup",
+    notes="""
+    why: the embedding method was renamed; Model Runner V2, llama_4_scaling and sequence-parallel MoE make speculators'
+        capture wrong or crash later: alias the name, refuse the rest at set-up
+    vllm change: 0.11.2 get_input_embeddings -> embed_input_ids; 0.12.0 llama_4_scaling (DeepseekV2); 0.22.1 Model
+        Runner V2 default on GPU; 0.25.1 token-sharded DeepseekV2 layers
+    detect: AST: which embedding name speculators' forward calls, and whether it reads input_batch
+    delete when: speculators' capture forward is replaced by vLLM-native aux hidden-state capture
+    patches: custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture
+    """,
     side="worker",
-    patches="custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",
-    why="the embedding method was renamed; Model Runner V2, llama_4_scaling and sequence-parallel MoE "
-    "make speculators' capture wrong or crash later: alias the name, refuse the rest at set-up",
-    vllm_change="0.11.2 get_input_embeddings -> embed_input_ids; 0.12.0 llama_4_scaling (DeepseekV2); "
-    "0.22.1 Model Runner V2 default on GPU; 0.25.1 token-sharded DeepseekV2 layers",
-    detect="AST: which embedding name speculators' forward calls, and whether it reads input_batch",
-    delete_when="speculators' capture forward is replaced by vLLM-native aux hidden-state capture",
     probe=probe_embed_alias,
     apply=apply_capture_setup,
     # checks (and aliases the embedding on) the base model that wrapper-base-model's set-up captured from
@@ -391,13 +397,15 @@ def apply_layer_kwargs(ctx: Context, patcher: AdapterPatcher) -> None:
 
 LAYER_KWARGS = Adapter(
     id="layer-kwargs",
+    notes="""
+    why: the model's forward hands extra keywords to every layer; speculators' capture forward drops (0.4) or rejects
+        (0.3) them
+    vllm change: 0.15.1 LlamaModel.forward(..., **extra_layer_kwargs)
+    detect: at run time: the forward receives non-None extra keywords
+    delete when: speculators' capture forward passes layer keywords through
+    patches: custom_worker._patched_forward
+    """,
     side="worker",
-    patches="custom_worker._patched_forward",
-    why="the model's forward hands extra keywords to every layer; speculators' capture forward drops "
-    "(0.4) or rejects (0.3) them",
-    vllm_change="0.15.1 LlamaModel.forward(..., **extra_layer_kwargs)",
-    detect="at run time: the forward receives non-None extra keywords",
-    delete_when="speculators' capture forward passes layer keywords through",
     probe=probe_layer_kwargs,
     apply=apply_layer_kwargs,
 )
@@ -425,8 +433,7 @@ def probe_batch_order_log(ctx: Context) -> Probe:
 
 
 def apply_batch_order_log(ctx: Context, patcher: AdapterPatcher) -> None:
-    extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
-    original = vars(extension_cls)["_store_captured_states"]
+    extension_cls, original = extension_method(ctx, "_store_captured_states")
 
     @functools.wraps(original)
     def _store_captured_states(self: Any, aux_hidden_states: Any) -> Any:
@@ -450,13 +457,15 @@ def apply_batch_order_log(ctx: Context, patcher: AdapterPatcher) -> None:
 
 BATCH_ORDER_LOG = Adapter(
     id="batch-order-log",
+    notes="""
+    why: 0.3.0 slices captures by input offsets assuming the runner batched requests in input order
+    vllm change: none: a latent speculators 0.3.0 assumption, verified instead of trusted
+    detect: AST: _store_captured_states does not read model_runner.input_batch
+    delete when: speculators 0.3.0 is no longer supported
+    patches: HiddenStatesWorkerExtension._store_captured_states, HiddenStatesWorkerExtension._spec_compat_take_batch_log
+        (added)
+    """,
     side="worker",
-    patches="HiddenStatesWorkerExtension._store_captured_states, "
-    "HiddenStatesWorkerExtension._spec_compat_take_batch_log (added)",
-    why="0.3.0 slices captures by input offsets assuming the runner batched requests in input order",
-    vllm_change="none: a latent speculators 0.3.0 assumption, verified instead of trusted",
-    detect="AST: _store_captured_states does not read model_runner.input_batch",
-    delete_when="speculators 0.3.0 is no longer supported",
     probe=probe_batch_order_log,
     apply=apply_batch_order_log,
     speculators=SPECULATORS_0_3_ONLY,
@@ -470,16 +479,11 @@ def probe_shared_memory_states(ctx: Context) -> Probe:
     extension = worker_module(ctx).HiddenStatesWorkerExtension
     if "_get_captured_states" not in vars(extension):
         return Probe(False, "speculators' worker has no _get_captured_states")
-    return Probe(
-        True,
-        "the captured states would leave the worker as pickled tensors; they are copied to shared memory in a few "
-        "large copies and checked for NaN/Inf on the device, and only a descriptor is sent",
-    )
+    return Probe(True, "captured states leave the worker in shared memory (NaN/Inf checked on the device), not pickled")
 
 
 def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
-    extension_cls = worker_module(ctx).HiddenStatesWorkerExtension
-    original = vars(extension_cls)["_get_captured_states"]
+    extension_cls, original = extension_method(ctx, "_get_captured_states")
 
     @functools.wraps(original)
     def _get_captured_states(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -498,15 +502,17 @@ def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CAPTURED_STATES_SHARED_MEMORY = Adapter(
     id="captured-states-shared-memory",
+    notes="""
+    why: the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message queue and the
+        driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 (GPU_NOTES 'Turn-2
+        measurements')
+    vllm change: none: all releases send RPC replies by pickling them
+    detect: the worker defines _get_captured_states; active only in workers whose driver set the transfer directory
+        (executor-shared-memory-replies)
+    delete when: vLLM offers a zero-copy tensor channel from workers to the driver
+    patches: HiddenStatesWorkerExtension._get_captured_states (reply through a shared-memory segment)
+    """,
     side="worker",
-    patches="HiddenStatesWorkerExtension._get_captured_states (reply through a shared-memory segment)",
-    why="the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message "
-    "queue and the driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 "
-    "(GPU_NOTES 'Turn-2 measurements')",
-    vllm_change="none: all releases send RPC replies by pickling them",
-    detect="the worker defines _get_captured_states; active only in workers whose driver set the transfer "
-    "directory (executor-shared-memory-replies)",
-    delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
     probe=probe_shared_memory_states,
     apply=apply_shared_memory_states,
 )
