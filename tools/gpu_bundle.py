@@ -59,6 +59,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
+from shared_constants import TESTED_SPECULATORS
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path.home() / ".cache" / "spec_compat" / "gpu_bundle"
@@ -70,7 +71,7 @@ MIB = 1 << 20
 DEVICE_CARRY_LIMIT_MIB = 64
 
 VLLM = "vllm==0.22.1"
-SPECULATORS = ("0.4.0.1", "0.3.0")
+SPECULATORS = TESTED_SPECULATORS
 
 # Wheels the device image lacks (names as PyPI spells them). The set a run of vLLM 0.22.1's
 # LLM on this device image was seen to need (shared reference GPU_NOTES.md), pinned to the

@@ -1,6 +1,6 @@
-"""tools/shared_constants.py is the one definition of the values tests/ and tools/ share. Files that
-still carry a literal copy (being switched to it) must hold the same value: a copy that drifts
-fails here instead of making two parts of the suite test different things."""
+"""tools/shared_constants.py is the one definition of the values tests/ and tools/ share: the modules
+that once carried literal copies now derive them from it, and a literal copy written back (one that
+could drift and make two parts of the suite test different things) fails here."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import shared_constants
 
 ROOT = Path(__file__).resolve().parents[2]
-# (file, its module-level name, the shared name): literal copies still to be replaced by an import
-COPIES = [
+# (file, its module-level name, the shared name it must be derived from)
+DERIVED = [
     ("tests/engine_harness.py", "LAYER_IDS", "LAYER_IDS"),
     ("tests/engine_harness.py", "MAX_MODEL_LEN", "MAX_MODEL_LEN"),
     ("tools/gpu_cells.py", "LAYER_IDS", "ALL_LAYER_IDS"),
@@ -37,12 +37,11 @@ def _literal(path: Path, name: str) -> Any:
     return None
 
 
-@pytest.mark.parametrize(("where", "name", "shared"), COPIES, ids=[f"{w}:{n}" for w, n, _ in COPIES])
-def test_a_remaining_copy_equals_the_shared_value(where: str, name: str, shared: str) -> None:
-    copy = _literal(ROOT / where, name)
-    if copy is None:
-        return  # imported from shared_constants (or computed from it): nothing to drift
-    assert (tuple(copy) if isinstance(copy, (list, tuple)) else copy) == getattr(shared_constants, shared)
+@pytest.mark.parametrize(("where", "name", "shared"), DERIVED, ids=[f"{w}:{n}" for w, n, _ in DERIVED])
+def test_shared_values_are_imported_not_copied(where: str, name: str, shared: str) -> None:
+    source = (ROOT / where).read_text()
+    assert _literal(ROOT / where, name) is None, f"{where}: {name} is a literal copy of shared_constants.{shared}"
+    assert re.search(rf"^from shared_constants import .*\b{shared}\b", source, re.MULTILINE), where
 
 
 def test_provision_installs_the_tested_speculators() -> None:
