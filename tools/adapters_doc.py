@@ -14,15 +14,10 @@ import sys
 from pathlib import Path
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "adapters.md"
-SIDES = {
-    "import": "before speculators is imported (driver and every worker)",
-    "worker": "speculators' worker module, in the driver and in every worker",
-    "worker-process": "vLLM's worker classes, inside workers started by spec_compat's executor",
-    "driver": "speculators' generator module, in the driver",
-}
 
 
 def render() -> str:
+    from spec_compat.adapters.unit import SIDES
     from spec_compat.registry import ADAPTERS, SUPPORTED_SPECULATORS
 
     lines = [

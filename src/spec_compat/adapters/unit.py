@@ -1,16 +1,12 @@
-"""What one adapter is: its record (id, side, speculators range, and its notes: what it patches, why,
-the vLLM change, how it is detected, when it can be deleted), its feature probe and its apply, in one
+"""What one adapter is: its record (id, side, speculators range, and its notes: why, the vLLM change,
+how it is detected, when it can be deleted, what it patches), its feature probe and its apply, in one
 value.
 
 Every adapter module defines its units beside the probe and apply they name; ``registry.py`` is
 the ordered list of those units. This module sits in adapters/ (not beside the registry) because
 the adapter modules define units and must not import upward (tests/test_boundary.py).
 
-``side``:
-``import``: before speculators is imported (driver and every worker);
-``worker``: speculators' worker module, in the driver (fork) and in every worker (plugin);
-``worker-process``: vLLM's worker classes, only inside workers started by spec_compat's executor;
-``driver``: speculators' generator module, in the driver only.
+``side``: when and where an adapter is applied (``SIDES``).
 """
 
 from __future__ import annotations
@@ -30,6 +26,12 @@ from ..versions import ParsedVersion
 from .probe import Probe
 
 Side = Literal["import", "worker", "worker-process", "driver"]
+SIDES: dict[str, str] = {
+    "import": "before speculators is imported (driver and every worker)",
+    "worker": "speculators' worker module, in the driver (fork) and in every worker (plugin)",
+    "worker-process": "vLLM's worker classes, only inside workers started by spec_compat's executor",
+    "driver": "speculators' generator module, in the driver only",
+}
 # The default range: every release from the oldest supported one (the feature probe decides there).
 SUPPORTED_SPECULATORS = SpecifierSet(">=0.3.0")
 # The ranges of adapters for one speculators line's code (a pre-release counts as the release it
