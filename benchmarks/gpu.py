@@ -57,9 +57,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.metadata as metadata
 import json
+import math
 import os
 import random
 import shlex
@@ -69,6 +71,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +80,11 @@ ROOT = HERE.parent
 PATHS = ("shim", "native", "llm_eager", "extract", "llm_default", "shim_without")
 DEFAULT_PATHS = PATHS[:5]  # shim_without (the shim with --shim-disable's adapters left out) only when asked
 REQUIRED_KEYS = ("shim_vs_native", "extract_vs_native", "shim_vs_llm_eager", "overhead_fraction")
-TARGETS = {"shim_vs_native": (">=", 0.5), "extract_vs_native": (">=", 0.5), "overhead_fraction": ("<=", 0.05)}
+TARGETS = {
+    "shim_vs_native": (">=", 0.8),
+    "extract_vs_native": (">=", 0.8),
+    "overhead_fraction": ("<=", 0.05),
+}  # issue 27
 # Seconds a path is assumed to take (engine start + calls) until it has been measured in this run.
 PRIOR_S = {"shim": 70.0, "native": 60.0, "llm_eager": 50.0, "extract": 80.0, "llm_default": 90.0, "shim_without": 70.0}
 SMOKE_PRIOR_S = {
@@ -101,13 +108,44 @@ DENSE_CONFIG: dict[str, Any] = {  # Qwen3-1.7B's decoder stack
 LAYER_IDS = {"dense": [2, 10, 18, 26], "moe": [2, 8, 13, 15], "tiny": [1, 2, 3]}
 
 
+@dataclass(frozen=True)
+class PromptSet:
+    """Random ids in [3, 500), ``count`` prompts, lengths uniform in [low, high) or, for ``chat``, a
+    log-normal with median ``median`` and log-spread ``sigma`` clipped to [low, high): many short
+    conversations and a long tail, the shape of ShareGPT / UltraChat length histograms."""
+
+    count: int
+    seed: int
+    low: int
+    high: int
+    max_model_len: int  # the issue's per-set engine length (one engine runs every set: see engine_len)
+    extract_repeat: int  # the extract dataset is the set this many times (~0.5-0.8M tokens)
+    median: float | None = None
+    sigma: float | None = None
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        if self.median is None:
+            lengths = [rng.randrange(self.low, self.high) for _ in range(self.count)]
+        else:
+            sigma = self.sigma or 1.0
+            draws = (int(rng.lognormvariate(math.log(self.median), sigma)) for _ in range(10**6))
+            lengths = [n for n in draws if self.low <= n < self.high][: self.count]
+        return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+PROMPT_SETS = {
+    "256-1024": PromptSet(count=48, seed=0, low=256, high=1024, max_model_len=2048, extract_repeat=24),
+    "1.5k-2k": PromptSet(count=24, seed=1, low=1536, high=2048, max_model_len=4096, extract_repeat=16),
+    "4k-8k": PromptSet(count=8, seed=2, low=4096, high=8000, max_model_len=8192, extract_repeat=14),
+    "chat": PromptSet(
+        count=64, seed=3, low=32, high=4000, max_model_len=4096, extract_repeat=12, median=600, sigma=0.9
+    ),
+    "smoke": PromptSet(count=6, seed=0, low=16, high=64, max_model_len=512, extract_repeat=24),
+}
+
+
 # ---- small helpers --------------------------------------------------------------------------------------------
-
-
-def make_prompts(count: int, seed: int, low: int, high: int) -> list[list[int]]:
-    """As tools/gpu_large_moe.py: ids in [3, 500), lengths in [low, high)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(low, high))] for _ in range(count)]
 
 
 def median_or_none(values: list[float]) -> float | None:
@@ -306,6 +344,7 @@ class Bench:
         self.work: Path = args.work_dir
         self.work.mkdir(parents=True, exist_ok=True)
         self.priors = SMOKE_PRIOR_S if self.smoke else PRIOR_S
+        self.commit = git_commit()
 
     def remaining(self) -> float:
         return float(self.args.budget_s) - (time.perf_counter() - self.started)
@@ -332,34 +371,44 @@ class Bench:
             return str(shm / "sc_native_hs")
         return str(self.work / "sc_native_hs")
 
-    def spec(self, kind: str, model_dir: str, prompts_file: Path) -> dict[str, Any]:
+    def engine_len(self) -> int:
+        """One engine per path runs every set, at the largest set's max_model_len (or --max-model-len).
+        That changes no step: speculators schedules max(8192, max_model_len) tokens per step and every set
+        fits below 8192; vLLM's own paths get max(max_model_len, its default) with chunked prefill off (each
+        path records the value it ran with under ``engine``)."""
+        return self.args.max_model_len or max(PROMPT_SETS[name].max_model_len for name in self.args.prompt_sets)
+
+    def spec(self, kind: str, model_dir: str, sets: list[dict[str, Any]]) -> dict[str, Any]:
         layer_ids = LAYER_IDS[kind]
         return {
             "model": model_dir,
             "layer_ids": layer_ids,
             "native_layer_ids": [layer + 1 for layer in layer_ids],  # vLLM counts from the layer's input
-            "max_model_len": self.args.max_model_len,
+            "max_model_len": self.engine_len(),
             "dtype": self.args.dtype,
             "gpu_memory_utilization": 0.8,
             "reps": self.args.reps,
-            "prompts_file": str(prompts_file),
+            "sets": sets,
             "native_storage": self.native_storage(),
-            "shim_reference": str(self.work / f"{kind}_shim_prompt0.pt"),
+            "digest": self.args.digest,
+            "rss_calls": 0,
         }
 
     def run_path(self, kind: str, name: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
         stem = f"{kind}_r{round_}_{name}"
         log = self.logs / f"{stem}.log"
         if name == "extract":
-            return self.run_extract(spec, log, timeout)
+            return self.run_extracts(kind, spec, round_, timeout)
         spec_file = self.work / f"{stem}.spec.json"
         out_file = self.work / f"{stem}.out.json"
-        spec_file.write_text(json.dumps(spec))
-        out_file.unlink(missing_ok=True)
         env = self.env
+        if name == "shim" and round_ == 0:
+            spec = {**spec, "rss_calls": self.args.rss_calls}
         if name == "shim_without":  # the same shim process with some adapters left out: an A/B in one run
             env = {**self.env, "SPEC_COMPAT_DISABLE": self.args.shim_disable}
             name = "shim"
+        spec_file.write_text(json.dumps(spec))
+        out_file.unlink(missing_ok=True)
         command = [sys.executable, str(Path(__file__).resolve()), "--path", name, str(spec_file), str(out_file)]
         code, wall = run_process(command, env, timeout, log)
         record: dict[str, Any] = {"wall_s": wall, "log": str(log.relative_to(self.args.out))}
@@ -369,10 +418,22 @@ class Bench:
             return {**record, "status": "failed", "exit": code, "error": last_error_line(log)}
         return {**record, "status": "ok", **json.loads(out_file.read_text())}
 
-    def run_extract(self, spec: dict[str, Any], log: Path, timeout: float) -> dict[str, Any]:
-        prompts = json.loads(Path(spec["prompts_file"]).read_text())
+    def run_extracts(self, kind: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
+        """``spec-compat extract`` once per set (each its own process and engine)."""
+        started = time.perf_counter()
+        sets: dict[str, Any] = {}
+        for entry in spec["sets"]:
+            left = timeout - (time.perf_counter() - started)
+            log = self.logs / f"{kind}_r{round_}_extract_{entry['name']}.log"
+            sets[entry["name"]] = self.run_extract(spec, entry, log, left)
+        statuses = {r["status"] for r in sets.values()}
+        status = "ok" if statuses == {"ok"} else ("failed" if "ok" not in statuses else "partial")
+        return {"status": status, "wall_s": time.perf_counter() - started, "sets": sets}
+
+    def run_extract(self, spec: dict[str, Any], entry: dict[str, Any], log: Path, timeout: float) -> dict[str, Any]:
+        prompts = json.loads(Path(entry["prompts_file"]).read_text())
         data = self.work / "extract_input.jsonl"
-        repeat = self.args.extract_repeat
+        repeat = entry["extract_repeat"] if self.args.extract_repeat is None else self.args.extract_repeat
         data.write_text("".join(json.dumps({"input_ids": p}) + "\n" for _ in range(repeat) for p in prompts))
         output = self.work / "sc_extract_out"
         shutil.rmtree(output, ignore_errors=True)
@@ -381,6 +442,8 @@ class Bench:
         command += ["--max-model-len", str(spec["max_model_len"]), "--batch-size", str(len(prompts))]
         command += ["--dtype", spec["dtype"], "--gpu-memory-utilization", str(spec["gpu_memory_utilization"])]
         command += shlex.split(self.args.extract_args)
+        if timeout < 5:
+            return {"status": "not-run", "reason": "no time left in the path's timeout"}
         code, wall = run_process(command, self.env, timeout, log)
         tokens = repeat * sum(min(len(p), spec["max_model_len"] - 1) for p in prompts)
         record: dict[str, Any] = {
@@ -434,19 +497,33 @@ class Bench:
             }
             return
         print(f"   {build['params'] / 1e9:.3f}B parameters, {build['build_s']:.0f} s (reused: {build['reused']})")
-        prompts = self.prompts()
-        prompts_file = self.work / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
-        section["tokens"] = sum(len(p) for p in prompts)
-        spec = self.spec(kind, build["path"], prompts_file)
-        Path(spec["shim_reference"]).unlink(missing_ok=True)
+        sets = []
+        section["prompt_set_inputs"] = {}
+        for name in self.args.prompt_sets:
+            prompts = PROMPT_SETS[name].prompts()
+            prompts_file = self.work / f"prompts_{name}.json"
+            prompts_file.write_text(json.dumps(prompts))
+            reference = self.work / f"{kind}_shim_{name}_prompt0.pt"
+            reference.unlink(missing_ok=True)
+            sets.append({"name": name, "prompts_file": str(prompts_file), "reference": str(reference),
+                         "extract_repeat": PROMPT_SETS[name].extract_repeat})  # fmt: skip
+            lengths = [len(p) for p in prompts]
+            section["prompt_set_inputs"][name] = {
+                **dataclasses.asdict(PROMPT_SETS[name]),
+                "tokens": sum(lengths),
+                "length_min": min(lengths),
+                "length_median": statistics.median(lengths),
+                "length_max": max(lengths),
+            }
+        spec = self.spec(kind, build["path"], sets)
+        section["engine_max_model_len"] = spec["max_model_len"]
         section["native_layer_ids"] = spec["native_layer_ids"]
         section["native_storage"] = spec["native_storage"]
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PATHS}
         for round_ in range(self.args.rounds):
             for name in self.args.paths:
                 measured = [r["wall_s"] for r in runs[name] if r.get("status") == "ok"]
-                estimate = max(measured) if measured else self.priors[name]
+                estimate = max(measured) if measured else self.priors[name] * (1 + 0.25 * (len(sets) - 1))
                 left = self.remaining()
                 if left < estimate:
                     reason = f"{left:.0f} s of budget left, {'measured' if measured else 'assumed'} {estimate:.0f} s"
@@ -460,91 +537,148 @@ class Bench:
                 runs[name].append(record)
                 print(f"   round {round_} {name:12s} {describe(record)}", flush=True)
                 section["paths"] = summarize_paths(runs)
-                section["ratios"] = model_ratios(section["paths"])
+                section["prompt_sets"] = prompt_set_ratios(section["paths"], self.args.prompt_sets, self.commit)
                 save()
         section["paths"] = summarize_paths(runs)
-        section["ratios"] = model_ratios(section["paths"])
-
-    def prompts(self) -> list[list[int]]:
-        a = self.args
-        return make_prompts(a.prompt_count, a.prompt_seed, a.prompt_min, a.prompt_max)
+        section["prompt_sets"] = prompt_set_ratios(section["paths"], self.args.prompt_sets, self.commit)
 
 
 def describe(record: dict[str, Any]) -> str:
-    if record.get("status") != "ok":
+    if record.get("status") not in ("ok", "partial"):
         why = record.get("error") or record.get("reason")
         return f"{record.get('status')} after {record.get('wall_s', 0):.0f} s: {why}"
+    parts = []
+    for name, entry in record.get("sets", {}).items():
+        if entry.get("status", "ok") != "ok":
+            parts.append(f"{name} {entry.get('status')}: {entry.get('error') or entry.get('reason')}")
+            continue
+        text = f"{name} {entry['tokens_per_s_median']:,.0f} tok/s"
+        overhead = entry.get("overhead", {}).get("overhead_fraction")
+        if overhead is not None:
+            text += f" (own {overhead:.3f})"
+        parts.append(text)
     start = record.get("engine_start_s")
-    text = f"{record['tokens_per_s_median']:>12,.0f} tok/s median, best {record['tokens_per_s_best']:,.0f}"
-    text += f"; engine start {start:.1f} s" if start is not None else "; engine start n/a"
-    text += f"; process {record['wall_s']:.0f} s"
-    overhead = record.get("overhead", {}).get("overhead_fraction") if "overhead" in record else None
-    if "overhead" in record:
-        text += f"; overhead {'n/a' if overhead is None else f'{overhead:.3f}'}"
-    return text
+    started = f"engine start {start:.1f} s; " if start is not None else ""
+    return f"{started}process {record['wall_s']:.0f} s; " + "; ".join(parts)
 
 
 # ---- summaries -------------------------------------------------------------------------------------------------------
 
 
 def summarize_paths(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per path: every run, and the tokens/s of all timed calls of its ok runs pooled (best, median)."""
+    """Per path: every run, and per prompt set the tokens/s of all timed calls of its ok runs pooled."""
     out: dict[str, dict[str, Any]] = {}
     for name, records in runs.items():
-        ok = [r for r in records if r.get("status") == "ok"]
-        rates = [float(x) for r in ok for x in r["tokens_per_s"]]
+        ok = [r for r in records if r.get("status") in ("ok", "partial")]
         entry: dict[str, Any] = {
             "status": "ok" if ok else (records[-1].get("status", "not-run") if records else "not-run"),
             "runs": records,
-            "tokens_per_s_best": max(rates) if rates else None,
-            "tokens_per_s_median": median_or_none(rates),
             "engine_start_s": median_or_none([r["engine_start_s"] for r in ok if r.get("engine_start_s") is not None]),
+            "sets": {},
         }
-        if name == "shim":
-            fractions = [float(x) for r in ok for x in r["overhead"].get("overhead_fractions", [])]
-            entry["overhead_fraction"] = median_or_none(fractions)
-            entry["profile_spec_compat_tottime_fraction"] = median_or_none(
-                [r["profile"]["spec_compat_tottime_fraction"] for r in ok]
-            )
-        if name == "native":
-            entry["tokens_per_s_return_median"] = median_or_none([r["tokens_per_s_return_median"] for r in ok])
-            entry["bytes_written_per_call"] = median_or_none([float(b) for r in ok for b in r["bytes_written"]])
+        for set_name in {n for r in ok for n in r.get("sets", {})}:
+            done = [r["sets"][set_name] for r in ok if r["sets"].get(set_name, {}).get("status", "ok") == "ok"]
+            rates = [float(x) for d in done for x in d["tokens_per_s"]]
+            summary: dict[str, Any] = {
+                "tokens_per_s_best": max(rates) if rates else None,
+                "tokens_per_s_median": median_or_none(rates),
+                "calls": len(rates),
+            }
+            if name in ("shim", "shim_without"):
+                fractions = [float(x) for d in done for x in d["overhead"].get("overhead_fractions", [])]
+                summary["overhead_fraction"] = median_or_none(fractions)
+                summary["digests"] = sorted({x for d in done for x in d.get("digests", [])})
+                summary["where_time_goes"] = where_time_goes(done)
+                summary["memory_per_call"] = [m for d in done for m in d.get("memory_per_call", [])]
+            if name == "native":
+                summary["tokens_per_s_return_median"] = median_or_none([d["tokens_per_s_return_median"] for d in done])
+                summary["vs_shim_prompt0"] = next(
+                    (d["vs_shim_prompt0"] for d in done if d.get("vs_shim_prompt0")), None
+                )
+            entry["sets"][set_name] = summary
         out[name] = entry
     return out
 
 
-def model_ratios(paths: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    def med(name: str) -> float | None:
-        value: float | None = paths.get(name, {}).get("tokens_per_s_median")
+# Labels of spec_compat.timings() measured inside an RPC (already in its "rpc:<method>" time).
+INSIDE_RPC = ("own:executor-rpc", "own:worker-finite-check", "transfer:worker-copy", "transfer:driver-map")
+
+
+def where_time_goes(done: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Median seconds per call: the call, each spec_compat.timings() label, and the rest (speculators'
+    own driver code and vLLM's scheduler: the call less every RPC, the clones and spec_compat's own work
+    outside RPCs)."""
+    calls = [s for d in done for s in d.get("timings_s", [])]
+    per_call = [b for d in done for b in d.get("overhead", {}).get("per_call", []) if b is not None]
+    labels = sorted({k for b in per_call for k in b})
+    out: dict[str, float | None] = {"call_s": median_or_none(calls)}
+    for label in labels:
+        out[label] = median_or_none([b.get(label, 0.0) for b in per_call])
+    if per_call and len(per_call) == len(calls):
+        outside = [
+            sum(
+                v
+                for k, v in b.items()
+                if k.startswith(("rpc:", "own:", "transfer:driver-clone")) and k not in INSIDE_RPC
+            )
+            for b in per_call
+        ]
+        out["rest_s"] = median_or_none([c - o for c, o in zip(calls, outside, strict=True)])
+    return out
+
+
+def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], commit: str | None) -> dict[str, Any]:
+    def med(path: str, set_name: str, key: str = "tokens_per_s_median") -> float | None:
+        value: float | None = paths.get(path, {}).get("sets", {}).get(set_name, {}).get(key)
         return value
 
-    return {
-        "shim_vs_native": ratio(med("shim"), med("native")),
-        "extract_vs_native": ratio(med("extract"), med("native")),
-        "shim_vs_llm_eager": ratio(med("shim"), med("llm_eager")),
-        "shim_vs_llm_default": ratio(med("shim"), med("llm_default")),
-        "native_vs_llm_eager": ratio(med("native"), med("llm_eager")),
-        "shim_vs_native_return": ratio(med("shim"), paths.get("native", {}).get("tokens_per_s_return_median")),
-        "overhead_fraction": paths.get("shim", {}).get("overhead_fraction"),
-        "shim_vs_shim_without": ratio(med("shim"), med("shim_without")),
-    }
+    out: dict[str, Any] = {}
+    for name in set_names:
+        shim = paths.get("shim", {}).get("sets", {}).get(name, {})
+        without = paths.get("shim_without", {}).get("sets", {}).get(name, {})
+        digests, digests_without = shim.get("digests") or [], without.get("digests") or []
+        out[name] = {
+            "shim_vs_native": ratio(med("shim", name), med("native", name)),
+            "extract_vs_native": ratio(med("extract", name), med("native", name)),
+            "overhead_fraction": shim.get("overhead_fraction"),
+            # every call of the shim and of the shim with the speed-ups off returned the same bytes
+            "bitwise_equal": (len(set(digests) | set(digests_without)) == 1) if digests and digests_without else None,
+            "shim_deterministic": (len(digests) == 1) if digests else None,
+            "shim_vs_shim_without": ratio(med("shim", name), med("shim_without", name)),
+            "shim_vs_llm_eager": ratio(med("shim", name), med("llm_eager", name)),
+            "shim_vs_native_return": ratio(med("shim", name), med("native", name, "tokens_per_s_return_median")),
+            "tokens_per_s": {path: med(path, name) for path in PATHS if med(path, name) is not None},
+            "where_time_goes": shim.get("where_time_goes"),
+            "commit": commit,
+        }
+    return out
 
 
 def top_level(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The required keys, worst over the models (smallest ratio, largest overhead), and which model gave each."""
+    """The required keys, worst over the models and prompt sets (smallest ratio, largest overhead), and
+    which model / set gave each."""
     out: dict[str, Any] = {}
     worst: dict[str, str | None] = {}
     for key in REQUIRED_KEYS:
-        values = {m: s.get("ratios", {}).get(key) for m, s in per_model.items()}
-        present = {m: v for m, v in values.items() if v is not None}
-        if not present:
+        values = {
+            f"{m}/{n}": v.get(key)
+            for m, section in per_model.items()
+            for n, v in section.get("prompt_sets", {}).items()
+            if v.get(key) is not None
+        }
+        if not values:
             out[key], worst[key] = None, None
             continue
         pick = max if key == "overhead_fraction" else min
-        model = pick(present, key=lambda m: present[m])
-        out[key], worst[key] = present[model], model
-    out["worst_model"] = worst
-    out["complete"] = all(s.get("ratios", {}).get(k) is not None for s in per_model.values() for k in REQUIRED_KEYS)
+        where = pick(values, key=lambda k: values[k])
+        out[key], worst[key] = values[where], where
+    out["worst"] = worst
+    out["complete"] = all(
+        v.get(k) is not None
+        for s in per_model.values()
+        for v in s.get("prompt_sets", {}).values()
+        for k in REQUIRED_KEYS
+    )
     out["targets"] = {
         key: {"target": f"{op} {bound}", "value": out[key], "met": None if out[key] is None else
               (out[key] >= bound if op == ">=" else out[key] <= bound)}
@@ -564,19 +698,19 @@ def device_of(per_model: dict[str, dict[str, Any]]) -> str | None:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nGPU benchmark: {result.get('gpu')}; versions {result.get('versions')}")
-    print(f"{'model':6s} {'path':12s} {'status':11s} {'runs':>4s} {'tok/s median':>13s} {'best':>11s} {'start s':>8s}")
+    head = f"{'model':6s} {'set':9s} " + " ".join(f"{p:>12s}" for p in PATHS)
+    print(head + f" {'shim/nat':>9s} {'extr/nat':>9s} {'own':>6s} {'bitwise':>8s}")
     for kind, section in result["per_model"].items():
-        for name, entry in section.get("paths", {}).items():
-            ok = [r for r in entry["runs"] if r.get("status") == "ok"]
-            med, best, start = entry["tokens_per_s_median"], entry["tokens_per_s_best"], entry["engine_start_s"]
+        for name, entry in section.get("prompt_sets", {}).items():
+            rates = entry.get("tokens_per_s", {})
+            cells = " ".join(f"{rates[p]:>12,.0f}" if p in rates else f"{'-':>12s}" for p in PATHS)
+            equal = entry.get("bitwise_equal")
             print(
-                f"{kind:6s} {name:12s} {entry['status']:11s} {len(ok):>4d} "
-                f"{'-' if med is None else f'{med:,.0f}':>13s} {'-' if best is None else f'{best:,.0f}':>11s} "
-                f"{'-' if start is None else f'{start:.1f}':>8s}"
+                f"{kind:6s} {name:9s} {cells} {fmt(entry.get('shim_vs_native')):>9s} "
+                f"{fmt(entry.get('extract_vs_native')):>9s} {fmt(entry.get('overhead_fraction')):>6s} "
+                f"{'n/a' if equal is None else str(equal):>8s}"
             )
-        ratios = section.get("ratios", {})
-        print("       " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in ratios.items()))
-    print("worst over models: " + ", ".join(f"{k} {fmt(result.get(k))}" for k in REQUIRED_KEYS))
+    print("worst over models and sets: " + ", ".join(f"{k} {fmt(result.get(k))}" for k in REQUIRED_KEYS))
     for key, target in result.get("targets", {}).items():
         met = target["met"]
         verdict = "n/a" if met is None else ("MET" if met else "MISSED")
@@ -597,7 +731,7 @@ def merge(files: list[Path], write: Path) -> int:
     if any(p["versions"] != parts[0]["versions"] for p in parts):
         result["versions_by_source"] = {str(f): p["versions"] for f, p in zip(files, parts, strict=True)}
     result["gpu"] = next((p.get("gpu") for p in parts if p.get("gpu")), None)
-    result["prompts"] = parts[0]["prompts"]
+    result["prompt_sets"] = {k: v for p in parts for k, v in p.get("prompt_sets", {}).items()}
     result["sources"] = [{"file": str(f), "timestamp": p.get("timestamp"), "command": p.get("command")}
                          for f, p in zip(files, parts, strict=True)]  # fmt: skip
     result["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -618,8 +752,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"subset of {PATHS}, in this order")
     parser.add_argument(
         "--shim-disable",
-        default="executor-rpc-deadline,generate-signal-shutdown,shutdown-at-exit",
-        help="adapter ids the shim_without path leaves out (SPEC_COMPAT_DISABLE)",
+        default="driver-clone-pool",
+        help="adapter ids the shim_without path leaves out (SPEC_COMPAT_DISABLE): the speed-ups measured on and off",
+    )
+    parser.add_argument(
+        "--prompt-sets", default="256-1024", help=f"comma-separated, in this order, of {sorted(PROMPT_SETS)}"
+    )
+    parser.add_argument("--digest", action="store_true", help="sha256 of every shim call's results (bitwise_equal)")
+    parser.add_argument(
+        "--rss-calls", type=int, default=0, help="shim: this many more calls of the first set, RSS after each"
     )
     parser.add_argument("--rounds", type=int, default=2, help="repeat the paths, budget allowing")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per engine (after 1 warm-up)")
@@ -627,9 +768,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--path-timeout-s", type=float, default=300.0, help="kill one path's process after this")
     parser.add_argument("--speculators", default="0.4.0.1", help="version key of SPEC_COMPAT_SPECULATORS (or 0.3.0)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/sc_gpu_bench"), help="models, extract output")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the largest set's")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--extract-repeat", type=int, default=24, help="extract dataset: the prompts N times")
+    parser.add_argument(
+        "--extract-repeat", type=int, default=None, help="extract dataset: each set N times (default: the set's)"
+    )
     parser.add_argument("--extract-args", default="", help="extra flags for spec-compat extract (one string)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model, a few prompts, on CPU: plumbing only")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine gpu_<models>.json files ...")
@@ -637,15 +780,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--path", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--build", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.prompt_count, args.prompt_seed, args.prompt_min, args.prompt_max = 48, 0, 256, 1024
     if args.cpu_smoke:
         args.models = "tiny"
         args.work_dir = Path("/tmp/sc_gpu_smoke_work") if args.work_dir == Path("/tmp/sc_gpu_bench") else args.work_dir
-        args.prompt_count, args.prompt_min, args.prompt_max = 6, 16, 64
-        args.max_model_len, args.dtype, args.rounds, args.budget_s = 512, "float32", 1, min(args.budget_s, 400.0)
+        args.prompt_sets = args.prompt_sets if args.prompt_sets != "256-1024" else "smoke"
+        args.dtype, args.rounds, args.budget_s = "float32", 1, min(args.budget_s, 400.0)
+    args.prompt_sets = [p.strip() for p in args.prompt_sets.split(",") if p.strip()]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     unknown = sorted(set(args.paths) - set(PATHS)) + sorted(set(args.models) - set(LAYER_IDS))
+    unknown += sorted(set(args.prompt_sets) - set(PROMPT_SETS))
     if unknown:
         parser.error(f"unknown paths or models {unknown}")
     if not (args.merge or args.path or args.build or args.out):
@@ -674,15 +818,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
         "versions": versions(bench.spec_dir),
-        "prompts": {
-            "count": args.prompt_count,
-            "seed": args.prompt_seed,
-            "length_range": [args.prompt_min, args.prompt_max],
-            "id_range": [3, 500],
-            "tokens": sum(len(p) for p in bench.prompts()),
-        },
+        "prompt_sets": {name: dataclasses.asdict(PROMPT_SETS[name]) for name in args.prompt_sets},
         "settings": {k: getattr(args, k) for k in ("rounds", "reps", "budget_s", "path_timeout_s", "max_model_len",
-                                                    "dtype", "paths", "extract_repeat", "extract_args", "speculators")},
+                                                    "dtype", "paths", "extract_repeat", "extract_args", "speculators",
+                                                    "shim_disable", "digest", "rss_calls")},
         "per_model": {},
     }  # fmt: skip
 

@@ -18,8 +18,11 @@ Only imports from the standard library at module level: vLLM's spawned workers i
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import fcntl
+import gc
+import hashlib
 import json
 import os
 import pstats
@@ -44,11 +47,6 @@ def device_name() -> str | None:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
-def load_prompts(spec: Spec) -> list[list[int]]:
-    prompts: list[list[int]] = json.loads(Path(spec["prompts_file"]).read_text())
-    return prompts
 
 
 def throughput(tokens: int, seconds: list[float]) -> dict[str, Any]:
@@ -104,49 +102,78 @@ def save_reference(results: list[dict[str, Any]], path: str) -> None:
     torch.save(torch.stack([h.float() for h in results[0]["hidden_states"]], dim=1), path)
 
 
-def run_shim(spec: Spec) -> Record:
-    import spec_compat
+def memory_status() -> dict[str, int]:
+    """This process's resident and peak resident bytes (VmRSS, VmHWM), and locked (pinned) bytes."""
+    values: dict[str, int] = {}
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "VmLck", "VmPin"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values
 
-    report = spec_compat.apply(strict=True, dtype=spec["dtype"])
-    from speculators.data_generation import VllmHiddenStatesGenerator
 
-    prompts = load_prompts(spec)
-    tokens = sum(len(p) for p in prompts)
+def reset_peak_rss() -> bool:
+    """Start a new VmHWM window (Linux: writing 5 to clear_refs resets the peak resident size)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def digest(results: list[dict[str, Any]]) -> str:
+    """sha256 over every returned tensor's bytes, dtype and shape, in result order (bitwise equality
+    across processes without shipping the tensors)."""
+    import torch
+
+    hasher = hashlib.sha256()
+    for result in results:
+        for tensor in [result["input_ids"], *result["hidden_states"]]:
+            hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            hasher.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def shim_set(generator: Any, spec: Spec, entry: Spec, spec_compat: Any, package_dirs: tuple[str, ...]) -> Record:
+    """One prompt set on a running shim engine: a warm-up call, ``reps`` timed calls (each with its
+    spec_compat timings, peak RSS and digest), one call under cProfile."""
+    prompts = json.loads(Path(entry["prompts_file"]).read_text())
+    tokens = sum(min(len(p), spec["max_model_len"] - 1) for p in prompts)
     timings_fn = getattr(spec_compat, "timings", None)
     reset_fn = getattr(spec_compat, "reset_timings", None)
-    package = Path(spec_compat.__file__).parent
-    package_dirs = (str(package) + os.sep, str(package.resolve()) + os.sep)
-
-    started = time.perf_counter()
-    generator = VllmHiddenStatesGenerator(
-        spec["model"], layer_ids=spec["layer_ids"], max_model_len=spec["max_model_len"], tensor_parallel_size=1
-    )
-    engine_start_s = time.perf_counter() - started
     sync()
     started = time.perf_counter()
     results = generator.generate(prompts)
     sync()
     warmup_s = time.perf_counter() - started
     shape_ok = len(results) == len(prompts) and all(len(r["hidden_states"]) == len(spec["layer_ids"]) for r in results)
-    if spec.get("shim_reference"):
-        save_reference(results, spec["shim_reference"])
-
+    digests = [digest(results)] if spec.get("digest") else []
+    if entry.get("reference"):
+        save_reference(results, entry["reference"])
+    returned_bytes = sum(h.numel() * h.element_size() for r in results for h in r["hidden_states"])
     seconds: list[float] = []
     breakdowns: list[dict[str, float] | None] = []
-    for _ in range(spec["reps"]):
+    memory: list[dict[str, int]] = []
+    for rep in range(spec["reps"]):
         results = []  # drop the previous call's tensors before the next call
+        gc.collect()
         if reset_fn is not None:
             reset_fn()
+        peak_reset = reset_peak_rss()
         sync()
         started = time.perf_counter()
         results = generator.generate(prompts)
         sync()
         seconds.append(time.perf_counter() - started)
+        memory.append({**memory_status(), "peak_reset": int(peak_reset)})
         breakdowns.append({k: float(v) for k, v in timings_fn().items()} if timings_fn is not None else None)
+        if spec.get("digest") and rep == spec["reps"] - 1:  # the warm-up's and the last call's (~1 s per GB)
+            digests.append(digest(results))
     results = []
-    profile = profile_call(lambda: generator.generate(prompts), package_dirs)
-    generator.executor.shutdown()
-
+    gc.collect()
+    package_profile = profile_call(lambda: generator.generate(prompts), package_dirs)
     overhead: dict[str, Any] = {"timings_available": timings_fn is not None, "per_call": breakdowns}
     if timings_fn is not None:
         parts = [split_timings(b or {}) for b in breakdowns]
@@ -161,14 +188,59 @@ def run_shim(spec: Spec) -> Record:
     else:
         overhead["overhead_fraction"] = None
     return {
-        "engine_start_s": engine_start_s,
-        "warmup_s": warmup_s,
+        "prompts": len(prompts),
         "tokens": tokens,
+        "returned_bytes": returned_bytes,
+        "warmup_s": warmup_s,
         **throughput(tokens, seconds),
         "results_shape_ok": shape_ok,
+        "digests": digests,
+        "memory_per_call": memory,
         "overhead": overhead,
-        "profile": profile,
+        "profile": package_profile,
+    }
+
+
+def run_shim(spec: Spec) -> Record:
+    import spec_compat
+
+    report = spec_compat.apply(strict=True, dtype=spec["dtype"])
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    package = Path(spec_compat.__file__).parent
+    package_dirs = (str(package) + os.sep, str(package.resolve()) + os.sep)
+    started = time.perf_counter()
+    generator = VllmHiddenStatesGenerator(
+        spec["model"], layer_ids=spec["layer_ids"], max_model_len=spec["max_model_len"], tensor_parallel_size=1
+    )
+    engine_start_s = time.perf_counter() - started
+    sets = {entry["name"]: shim_set(generator, spec, entry, spec_compat, package_dirs) for entry in spec["sets"]}
+    rss_calls = []
+    if spec.get("rss_calls"):  # driver memory over many calls of the first set: no growth
+        prompts = json.loads(Path(spec["sets"][0]["prompts_file"]).read_text())
+        for _ in range(spec["rss_calls"]):
+            results = generator.generate(prompts)
+            del results
+            rss_calls.append(memory_status().get("VmRSS", 0))
+    executor = generator.executor
+    mapped = getattr(getattr(executor, "transfer_mappings", None), "maps", {})
+    pool = getattr(executor, "driver_clone_pool", None)
+    transfer_info = {
+        "segments_mapped_bytes": sum(len(m) for m in mapped.values()),  # pinned by the worker (cudaHostRegister)
+        "clone_regions_made": getattr(pool, "made", None),
+    }
+    executor.shutdown()
+    return {
+        "engine_start_s": engine_start_s,
+        "engine": {
+            "max_num_batched_tokens": getattr(generator.vllm_config.scheduler_config, "max_num_batched_tokens", None),
+            "max_num_seqs": getattr(generator.vllm_config.scheduler_config, "max_num_seqs", None),
+        },
+        "sets": sets,
+        "rss_after_each_call": rss_calls,
+        "transfer": transfer_info,
         "applied": list(report.applied),
+        "disabled": os.environ.get("SPEC_COMPAT_DISABLE", ""),
         "device": device_name(),
     }
 
@@ -248,55 +320,54 @@ def run_llm(spec: Spec, eager: bool) -> Record:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = load_prompts(spec)
-    tokens = sum(len(p) for p in prompts)
-    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = SamplingParams(max_tokens=1, temperature=0)
     started = time.perf_counter()
     llm = LLM(**llm_kwargs(spec, eager=eager, native=False))
     engine_start_s = time.perf_counter() - started
-    sync()
-    started = time.perf_counter()
-    llm.generate(requests, params, use_tqdm=False)
-    sync()
-    warmup_s = time.perf_counter() - started
-    seconds = []
-    for _ in range(spec["reps"]):
+    sets: dict[str, Record] = {}
+    for entry in spec["sets"]:
+        prompts = json.loads(Path(entry["prompts_file"]).read_text())
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         sync()
         started = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=False)
+        llm.generate(requests, params, use_tqdm=False)
         sync()
-        seconds.append(time.perf_counter() - started)
-        assert len(outputs) == len(prompts)
+        warmup_s = time.perf_counter() - started
+        seconds = []
+        for _ in range(spec["reps"]):
+            sync()
+            started = time.perf_counter()
+            outputs = llm.generate(requests, params, use_tqdm=False)
+            sync()
+            seconds.append(time.perf_counter() - started)
+            assert len(outputs) == len(prompts)
+        tokens = sum(len(p) for p in prompts)
+        sets[entry["name"]] = {
+            "prompts": len(prompts),
+            "tokens": tokens,
+            "warmup_s": warmup_s,
+            **throughput(tokens, seconds),
+        }
     shutdown_llm(llm)
-    return {
-        "engine_start_s": engine_start_s,
-        "warmup_s": warmup_s,
-        "tokens": tokens,
-        **throughput(tokens, seconds),
-        "device": device_name(),
-    }
+    return {"engine_start_s": engine_start_s, "sets": sets, "device": device_name()}
 
 
-def run_native(spec: Spec) -> Record:
-    from vllm import LLM, SamplingParams
+def native_set(llm: Any, spec: Spec, entry: Spec) -> Record:
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = load_prompts(spec)
+    prompts = json.loads(Path(entry["prompts_file"]).read_text())
     tokens = sum(len(p) for p in prompts)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = SamplingParams(max_tokens=1, temperature=0)
     storage = spec["native_storage"]
     wipe(storage)
-    started = time.perf_counter()
-    llm = LLM(**llm_kwargs(spec, eager=True, native=True))
-    engine_start_s = time.perf_counter() - started
     sync()
     started = time.perf_counter()
     files = wait_written(llm.generate(requests, params, use_tqdm=False))
     sync()
     warmup_s = time.perf_counter() - started
-    reference = spec.get("shim_reference")
+    reference = entry.get("reference")
     vs_shim = (
         compare_with_shim(files[0], reference, len(spec["layer_ids"]))
         if reference and os.path.exists(reference)
@@ -315,19 +386,37 @@ def run_native(spec: Spec) -> Record:
         written.append(sum(os.path.getsize(f) for f in files))
         counts.append(len(files))
     wipe(storage)
-    shutdown_llm(llm)
     return {
-        "engine_start_s": engine_start_s,
-        "warmup_s": warmup_s,
+        "prompts": len(prompts),
         "tokens": tokens,
+        "warmup_s": warmup_s,
         **throughput(tokens, seconds),
         "return_s": returned,
         "tokens_per_s_return_median": statistics.median(tokens / s for s in returned),
         "bytes_written": written,
         "files_written": counts,
-        "storage": storage,
-        "native_layer_ids": spec["native_layer_ids"],
         "vs_shim_prompt0": vs_shim,
+    }
+
+
+def run_native(spec: Spec) -> Record:
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(**llm_kwargs(spec, eager=True, native=True))
+    engine_start_s = time.perf_counter() - started
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    sets = {entry["name"]: native_set(llm, spec, entry) for entry in spec["sets"]}
+    shutdown_llm(llm)
+    return {
+        "engine_start_s": engine_start_s,
+        "engine": {
+            "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
+            "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
+        },
+        "sets": sets,
+        "storage": spec["native_storage"],
+        "native_layer_ids": spec["native_layer_ids"],
         "device": device_name(),
     }
 

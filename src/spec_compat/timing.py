@@ -2,7 +2,9 @@
 
 Labels: ``own:<what>`` is spec_compat's own work (checks, reordering, RPC handling), in the driver
 or reported back by the workers; ``transfer:<what>`` is moving captured states from the worker
-to the driver. Everything else in a call is vLLM's forward and speculators' own code.
+to the driver; ``rpc:<method>`` is the driver's wall time in each ``collective_rpc`` method (the
+forward is ``rpc:execute_model``; it contains the ``own:`` / ``transfer:`` time spent inside RPCs).
+Everything else in a call is speculators' own driver code and vLLM's scheduler.
 ``benchmarks/gpu.py`` divides the ``own:`` total by the call's wall time (``overhead_fraction``).
 """
 

@@ -54,6 +54,13 @@ def main() -> None:
         results = generator.generate(spec["prompts"])
         record["timings"]["generate_s"] = time.perf_counter() - t0
         record["input_ids"] = [r["input_ids"].tolist() for r in results]
+        # Each returned state a plain tensor with a storage of exactly its own bytes (the clone pool's
+        # contract, and a plain clone's).
+        record["results_own_storage"] = all(
+            type(h) is torch.Tensor and h.untyped_storage().nbytes() == h.numel() * h.element_size()
+            for r in results
+            for h in r["hidden_states"]
+        )
         record["results"] = _tensors(results)
         again = generator.generate(spec["prompts"])
         record["repeat_equal"] = all(
@@ -88,6 +95,7 @@ def main() -> None:
         directory = getattr(executor, "transfer_directory", None)
         record["transfer"] = {
             "states_replies": dict(getattr(executor, "states_replies", {})),
+            "clone_regions_made": getattr(getattr(executor, "driver_clone_pool", None), "made", 0),
             "directory": directory,
             "segments_before_shutdown": sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else [],
         }

@@ -18,6 +18,7 @@ message-queue zmq shutdown      executor-close-queues                   executor
 reply memory                    rpc-reply-read-once                     executor_replies
 malloc settings                 worker-malloc-retain                    executor_malloc
 shared-memory replies           executor-shared-memory-replies          executor_transfer
+clones into reused memory       driver-clone-pool                       executor_clones
 RPC deadline, hang report       executor-rpc-deadline                   watchdog
 =============================== ======================================= ===============================
 """
@@ -36,6 +37,7 @@ from ..errors import EngineStopped
 from ..options import Context
 from ..patching import AdapterPatcher
 from . import (
+    executor_clones,
     executor_entry,
     executor_failures,
     executor_fork,
@@ -105,7 +107,10 @@ def make_executor_class(base: type) -> type:
 
         def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
             speculators_rpc = isinstance(method, str) and method in self.extension_methods
-            with _OWN_RPC_TIME.around() if speculators_rpc else contextlib.nullcontext():
+            # Wall time per RPC method ("rpc:execute_model", ...: where a call's time goes, timing.py).
+            label = f"rpc:{method if isinstance(method, str) else 'callable'}"
+            own = _OWN_RPC_TIME.around() if speculators_rpc else contextlib.nullcontext()
+            with timing.timed(label), own:
                 return self._collective_rpc(speculators_rpc, method, *args, **kwargs)
 
         def _collective_rpc(self, speculators_rpc: bool, method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +186,7 @@ def make_executor_class(base: type) -> type:
                 directory = getattr(self, "transfer_directory", None)
                 if directory:
                     self.transfer_mappings.close()
+                    executor_clones.close_pool(self)
                     transfer.remove_directory(directory)
                 watchdog_directory = getattr(self, "watchdog_directory", None)
                 if watchdog_directory:
