@@ -99,7 +99,7 @@ DENSE_CONFIG: dict[str, Any] = {  # Qwen3-1.7B's decoder stack
     "num_key_value_heads": 8,
     "head_dim": 128,
     "intermediate_size": 6144,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 8192,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
@@ -601,7 +601,13 @@ def summarize_paths(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
 
 
 # Labels of spec_compat.timings() measured inside an RPC (already in its "rpc:<method>" time).
-INSIDE_RPC = ("own:executor-rpc", "own:worker-finite-check", "transfer:worker-copy", "transfer:driver-map")
+INSIDE_RPC = (
+    "own:executor-rpc",
+    "own:worker-finite-check",
+    "transfer:worker-copy",
+    "transfer:worker-acquire",
+    "transfer:driver-map",
+)
 
 
 def where_time_goes(done: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -619,7 +625,7 @@ def where_time_goes(done: list[dict[str, Any]]) -> dict[str, float | None]:
             sum(
                 v
                 for k, v in b.items()
-                if k.startswith(("rpc:", "own:", "transfer:driver-clone")) and k not in INSIDE_RPC
+                if k.startswith(("rpc:", "own:", "transfer:driver-handover")) and k not in INSIDE_RPC
             )
             for b in per_call
         ]
@@ -752,7 +758,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"subset of {PATHS}, in this order")
     parser.add_argument(
         "--shim-disable",
-        default="driver-clone-pool",
+        default="driver-states-handover",
         help="adapter ids the shim_without path leaves out (SPEC_COMPAT_DISABLE): the speed-ups measured on and off",
     )
     parser.add_argument(

@@ -224,10 +224,11 @@ def run_shim(spec: Spec) -> Record:
             rss_calls.append(memory_status().get("VmRSS", 0))
     executor = generator.executor
     mapped = getattr(getattr(executor, "transfer_mappings", None), "maps", {})
-    pool = getattr(executor, "driver_clone_pool", None)
+    mappings = getattr(executor, "transfer_mappings", None)
     transfer_info = {
         "segments_mapped_bytes": sum(len(m) for m in mapped.values()),  # pinned by the worker (cudaHostRegister)
-        "clone_regions_made": getattr(pool, "made", None),
+        "segments_handed_over": getattr(mappings, "held_count", None),
+        "handover_refused": getattr(mappings, "refused", None),
     }
     executor.shutdown()
     return {

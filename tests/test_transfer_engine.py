@@ -1,6 +1,6 @@
-"""The shared-memory transfer and the driver's clone pool on a real engine: the same tensors, bit for
-bit, as vLLM's own RPC path with plain clones (the adapters disabled), for both speculators reply
-shapes, TP=1 and TP=2."""
+"""The shared-memory transfer and the handover of its bytes to speculators' clones on a real engine:
+the same tensors, bit for bit, as vLLM's own RPC path with copying clones (the adapters disabled),
+for both speculators reply shapes, TP=1 and TP=2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from engine_harness import Cell, run_cell, run_cell_once
 
 pytestmark = pytest.mark.engine
-TRANSFER = ("captured-states-shared-memory", "executor-shared-memory-replies", "driver-clone-pool")
+TRANSFER = ("captured-states-shared-memory", "executor-shared-memory-replies", "driver-states-handover")
 CASES = [Cell("0.4.0.1", "qwen3_moe", 2), Cell("0.3.0", "dense", 1)]
 
 
@@ -32,8 +32,8 @@ def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell) -> None:
     assert pickled is not None, output
     assert pickled["transfer"]["directory"] is None and pickled["transfer"]["states_replies"]["verified"] == 0
     assert shared["transfer"]["states_replies"]["verified"] > 0
-    assert pickled["transfer"]["clone_regions_made"] == 0
-    assert shared["transfer"]["clone_regions_made"] >= 1  # the clones went to the pool (reuse: unit tests)
+    assert pickled["transfer"]["segments_handed_over"] == 0
+    assert shared["transfer"]["segments_handed_over"] >= 1  # speculators' clones kept the shared bytes
     assert shared["results_own_storage"] and pickled["results_own_storage"]
     assert shared["input_ids"] == pickled["input_ids"]
     assert _bitwise_equal(shared["results"], pickled["results"])

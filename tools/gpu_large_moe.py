@@ -33,7 +33,7 @@ CONFIG = {
     "intermediate_size": 4096,
     "decoder_sparse_step": 1,
     "norm_topk_prob": True,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 8192,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,

@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ DIR_PREFIX = "spec_compat-transfer-"
 ALIGN = 256  # bytes; every chunk starts aligned (DMA and any dtype view)
 CHUNK_BYTES = 256 << 20  # largest device-side concatenation (bounds the extra device memory)
 SIZE_STEP = 4 << 20  # segment sizes are multiples of this
+SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
 
@@ -259,30 +261,46 @@ class Segment:
 
 
 class SegmentPool:
-    """The worker's segments: reuse a free one that fits, free the other free ones, make a new one."""
+    """The worker's segments: reuse the smallest free one that fits, keep the ``SPARE_SEGMENTS`` most
+    recently used other free ones (a call in parts, or results the driver still holds while the next
+    call runs, needs several in turn), free the rest, make a new one when none fits."""
 
     def __init__(self, directory: str, name: str) -> None:
         self.directory = directory
         self.name = name
         self.segments: list[Segment] = []
         self._numbers = itertools.count()
+        self._uses = itertools.count()
+        self.last_used: dict[str, int] = {}
         self.pinning_failed = False  # once cudaHostRegister has failed, copy unpinned instead of retrying
+        self.made = 0
+
+    def _close(self, segment: Segment) -> None:
+        self.segments.remove(segment)
+        self.last_used.pop(segment.path, None)
+        segment.close()
 
     def acquire(self, nbytes: int, pin: bool) -> Segment:
         pin = pin and not self.pinning_failed
         free = [s for s in self.segments if not s.leased()]
         fitting = [s for s in free if s.size >= nbytes and (s.pinned or not pin)]
         chosen = min(fitting, key=lambda s: s.size) if fitting else None
-        for segment in free:
-            if segment is not chosen:
-                self.segments.remove(segment)
-                segment.close()
+        spares = sorted((s for s in free if s is not chosen), key=lambda s: -self.last_used.get(s.path, -1))
+        for segment in spares[SPARE_SEGMENTS:]:
+            self._close(segment)
         if chosen is None:
             size = _round_up(nbytes + nbytes // 8, SIZE_STEP)  # headroom for the next, slightly larger call
             path = os.path.join(self.directory, f"{self.name}-{next(self._numbers)}")
-            chosen = Segment(path, size, pin)
+            try:
+                chosen = Segment(path, size, pin)
+            except OSError:  # a full /dev/shm: make room from the spares, then try once more
+                for segment in spares[:SPARE_SEGMENTS]:
+                    self._close(segment)
+                chosen = Segment(path, size, pin)
+            self.made += 1
             self.pinning_failed = pin and not chosen.pinned
             self.segments.append(chosen)
+        self.last_used[chosen.path] = next(self._uses)
         return chosen
 
     def close(self) -> None:
@@ -327,6 +345,7 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
         segment = pool.acquire(max(nbytes, 1), pin=bool(cuda_devices))
     except OSError as exc:
         return _inline(value, tensors, f"{type(exc).__name__}: {exc}", started)
+    acquire_s = time.perf_counter() - started
     host = segment.host
     probes: list[Any] = []
     check_s = 0.0
@@ -363,7 +382,11 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
         all_finite=all_finite,
         non_finite=non_finite,
         live_segments=tuple(s.path for s in pool.segments),
-        timings=(("own:worker-finite-check", check_s), ("transfer:worker-copy", total_s - check_s)),
+        timings=(
+            ("own:worker-finite-check", check_s),
+            ("transfer:worker-copy", total_s - check_s),  # the segment's acquire (a new one: made) included
+            ("transfer:worker-acquire", acquire_s),
+        ),
     )
 
 
@@ -379,16 +402,20 @@ def _inline(value: Any, tensors: list[Any], reason: str, started: float) -> Inli
 
 
 class _Lease:
-    """A file descriptor with a shared flock on a segment; closed (lock released) when collected."""
+    """A file descriptor with a shared flock on a segment; closed (lock released) when collected.
+    ``on_release``: called then (from whichever thread drops the last reference)."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY)
         fcntl.flock(self.fd, fcntl.LOCK_SH)
+        self.on_release: Any = None
 
     def __del__(self) -> None:
         fd = getattr(self, "fd", None)
         if fd is not None:
             os.close(fd)
+        if self.on_release is not None:
+            self.on_release()
 
 
 def _leased_bytes(mapping: mmap.mmap, nbytes: int, lease: _Lease) -> Any:
@@ -401,11 +428,35 @@ def _leased_bytes(mapping: mmap.mmap, nbytes: int, lease: _Lease) -> Any:
 
 
 class DriverMappings:
-    """The driver's mappings of one executor's segments, kept across calls (mapped and faulted once)."""
+    """The driver's mappings of one executor's segments, kept across calls (mapped and faulted once).
 
-    def __init__(self, directory: str) -> None:
+    ``open(states, handover=...)``: with a ``handover(reply, lease, low, nbytes)`` function, the reply's
+    tensors are passed through it (adapter driver-states-handover: their clones may keep the segment),
+    unless the segments already kept by results would pass ``held_limit`` bytes with this one.
+    """
+
+    def __init__(self, directory: str, held_limit: int | None = None) -> None:
         self.directory = directory
         self.maps: dict[str, mmap.mmap] = {}
+        self.held_limit = _default_held_limit(directory) if held_limit is None else held_limit
+        self.held_bytes = 0  # bytes of segments whose lease a handed-over result keeps
+        self.refused = 0  # replies not handed over (held_limit)
+        self.held_count = 0  # segments a result kept at least once
+        self._held_lock = threading.RLock()  # RLock: a release can run in the GC inside the lock
+
+    def hold(self, lease: _Lease, size: int) -> None:
+        """A result now keeps ``lease`` (once per lease): count its segment until it is released."""
+        with self._held_lock:
+            if lease.on_release is not None:
+                return
+            self.held_bytes += size
+            self.held_count += 1
+
+            def release() -> None:
+                with self._held_lock:
+                    self.held_bytes -= size
+
+            lease.on_release = release
 
     def _mapping(self, path: str, size: int) -> mmap.mmap:
         mapping = self.maps.get(path)
@@ -418,7 +469,7 @@ class DriverMappings:
             self.maps[path] = mapping
         return mapping
 
-    def open(self, states: SharedStates) -> Any:
+    def open(self, states: SharedStates, handover: Any = None) -> Any:
         """The reply ``states`` describes, with tensors backed by the segment."""
         import torch
 
@@ -438,10 +489,32 @@ class DriverMappings:
             size = math.prod(ref.shape) * dtype.itemsize
             return base[ref.offset : ref.offset + size].view(dtype).view(ref.shape)
 
-        return _substitute(states.template, view)
+        reply = _substitute(states.template, view)
+        if handover is None:
+            return reply
+        with self._held_lock:
+            if self.held_bytes + states.segment_size > self.held_limit:
+                self.refused += 1
+                return reply
+        mapping = self._mapping(states.path, states.segment_size)
+        return handover(reply, lease, mapping, base.data_ptr(), states.nbytes, lambda: self.hold(lease, len(mapping)))
 
     def close(self) -> None:
         self.maps.clear()
+
+
+HELD_LIMIT_ENV = "SPEC_COMPAT_HANDOVER_MAX_BYTES"
+
+
+def _default_held_limit(directory: str) -> int:
+    """Bytes of segments results may keep: a quarter of the file system the segments live on, or
+    ``$SPEC_COMPAT_HANDOVER_MAX_BYTES``."""
+    if os.environ.get(HELD_LIMIT_ENV):
+        return int(os.environ[HELD_LIMIT_ENV])
+    try:
+        return shutil.disk_usage(directory).total // 4
+    except OSError:
+        return 0
 
 
 # ---- the directory -----------------------------------------------------------------------------------

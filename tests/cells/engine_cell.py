@@ -95,7 +95,7 @@ def main() -> None:
         directory = getattr(executor, "transfer_directory", None)
         record["transfer"] = {
             "states_replies": dict(getattr(executor, "states_replies", {})),
-            "clone_regions_made": getattr(getattr(executor, "driver_clone_pool", None), "made", 0),
+            "segments_handed_over": getattr(getattr(executor, "transfer_mappings", None), "held_count", 0),
             "directory": directory,
             "segments_before_shutdown": sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else [],
         }

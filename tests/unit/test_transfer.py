@@ -71,7 +71,8 @@ def test_layout_chunks_by_dtype_and_size(monkeypatch: pytest.MonkeyPatch) -> Non
     assert offsets[:4] == [0, 256, 512, 768] and total == chunks[-1].offset + 6
 
 
-def test_segment_is_reused_once_released_and_not_while_held(directory: str) -> None:
+def test_segment_is_reused_once_released_and_not_while_held(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 0)  # every free segment but the one used is freed
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     held = _roundtrip([torch.randn(100, 64)], pool, mappings)
     first = pool.segments[0].path
@@ -92,7 +93,8 @@ def test_segment_is_reused_once_released_and_not_while_held(directory: str) -> N
     assert os.listdir(directory) == []
 
 
-def test_repeated_calls_do_not_leak(directory: str) -> None:
+def test_repeated_calls_do_not_leak(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 0)  # every free segment but the one used is freed
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     fds_after_first = 0
     for call in range(200):
@@ -109,7 +111,8 @@ def test_repeated_calls_do_not_leak(directory: str) -> None:
     pool.close()
 
 
-def test_growing_replies_get_a_larger_segment(directory: str) -> None:
+def test_growing_replies_get_a_larger_segment(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 0)  # every free segment but the one used is freed
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     _roundtrip([torch.zeros(10, 10)], pool, mappings)
     small = pool.segments[0].size
@@ -120,6 +123,25 @@ def test_growing_replies_get_a_larger_segment(directory: str) -> None:
     _roundtrip([torch.zeros(10, 10)], pool, mappings)
     assert len(pool.segments) == 1
     assert len(mappings.maps) == 1, "the driver unmaps segments the worker freed"
+    pool.close()
+
+
+def test_free_segments_are_kept_as_spares_up_to_the_limit(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call in parts (or results held while the next call runs) needs several segments in turn: the
+    most recently used free ones are kept, at most SPARE_SEGMENTS besides the one in use."""
+    monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 2)
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    held = [_roundtrip([torch.randn(100 + 50 * k, 64)], pool, mappings) for k in range(4)]
+    assert len(pool.segments) == 4 and pool.made == 4
+    del held
+    gc.collect()
+    for _ in range(3):  # two parts in turn, each reply dropped after its part (as speculators' clones copy)
+        part_a = _roundtrip([torch.randn(100, 64)], pool, mappings)
+        part_b = _roundtrip([torch.randn(250, 64)], pool, mappings)
+        del part_a, part_b
+        gc.collect()
+    assert pool.made == 4, "no segment was made for the parts"
+    assert len(pool.segments) == 3, "one in use and two spares; the oldest free one is freed"
     pool.close()
 
 

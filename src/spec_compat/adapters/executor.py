@@ -18,7 +18,8 @@ message-queue zmq shutdown      executor-close-queues                   executor
 reply memory                    rpc-reply-read-once                     executor_replies
 malloc settings                 worker-malloc-retain                    executor_malloc
 shared-memory replies           executor-shared-memory-replies          executor_transfer
-clones into reused memory       driver-clone-pool                       executor_clones
+clones keep the shared bytes    driver-states-handover                  executor_handover (a hook
+                                                                        of executor_transfer)
 RPC deadline, hang report       executor-rpc-deadline                   watchdog
 =============================== ======================================= ===============================
 """
@@ -37,7 +38,6 @@ from ..errors import EngineStopped
 from ..options import Context
 from ..patching import AdapterPatcher
 from . import (
-    executor_clones,
     executor_entry,
     executor_failures,
     executor_fork,
@@ -186,7 +186,6 @@ def make_executor_class(base: type) -> type:
                 directory = getattr(self, "transfer_directory", None)
                 if directory:
                     self.transfer_mappings.close()
-                    executor_clones.close_pool(self)
                     transfer.remove_directory(directory)
                 watchdog_directory = getattr(self, "watchdog_directory", None)
                 if watchdog_directory:

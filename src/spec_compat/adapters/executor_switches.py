@@ -38,7 +38,7 @@ class ExecutorSwitches:
     read_once_replies = False  # rpc-reply-read-once: a dict reply gives each entry up when read
     worker_malloc_env: tuple[tuple[str, str], ...] = ()  # worker-malloc-retain: glibc settings for the workers
     shared_memory_replies = False  # executor-shared-memory-replies: states come as shared-memory descriptors
-    clone_pool = False  # driver-clone-pool: speculators' clones of those states go to reused, faulted-in memory
+    states_handover = False  # driver-states-handover: speculators' clones of those states keep their bytes
     rpc_timeout_s: float | None = None  # executor-rpc-deadline: deadline of generate()'s RPCs (None: none)
     stopped_reason: str | None = None  # set once the engine was shut down after a failure / a signal
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import timing, transfer
 from ..options import Context
-from . import executor_clones
+from . import executor_handover
 from .executor_switches import switch_on
 from .probe import Probe
 from .unit import Adapter
@@ -33,7 +33,7 @@ def received_states(executor: Any, result: Any, own_time: timing.OwnTime) -> Any
         executor.states_replies["verified" if result.all_finite else "unverified"] += 1
         if isinstance(result, transfer.SharedStates):
             with own_time.excluded(), timing.timed("transfer:driver-map"):
-                return executor_clones.clone_sources(executor, executor.transfer_mappings.open(result))
+                return executor.transfer_mappings.open(result, executor_handover.handover(executor))
         if executor.transfer_fallback_reason is None:
             executor.transfer_fallback_reason = result.reason
             logger.warning(
