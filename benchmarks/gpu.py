@@ -402,7 +402,7 @@ class Bench:
         spec_file = self.work / f"{stem}.spec.json"
         out_file = self.work / f"{stem}.out.json"
         env = self.env
-        if name == "shim" and round_ == 0:
+        if name in ("shim", "shim_without") and round_ == 0:
             spec = {**spec, "rss_calls": self.args.rss_calls}
         if name == "shim_without":  # the same shim process with some adapters left out: an A/B in one run
             env = {**self.env, "SPEC_COMPAT_DISABLE": self.args.shim_disable}
@@ -731,7 +731,20 @@ def merge(files: list[Path], write: Path) -> int:
     parts = [json.loads(f.read_text()) for f in files]
     per_model: dict[str, Any] = {}
     for part in parts:
-        per_model.update(part["per_model"])
+        for kind, section in part["per_model"].items():
+            if kind not in per_model:
+                per_model[kind] = section
+                continue
+            # The same model from another invocation (e.g. one path run later): pool the runs of every
+            # path and summarize again, so its ratios and bitwise check span both invocations.
+            merged = per_model[kind]
+            runs = {name: list(entry.get("runs", [])) for name, entry in merged.get("paths", {}).items()}
+            for name, entry in section.get("paths", {}).items():
+                runs.setdefault(name, []).extend(r for r in entry.get("runs", []) if r.get("status") != "not-run")
+            merged["paths"] = summarize_paths(runs)
+            commit = next(iter(merged.get("prompt_sets", {}).values()), {}).get("commit")
+            merged["prompt_sets"] = prompt_set_ratios(merged["paths"], list(merged.get("prompt_sets", {})), commit)
+            merged.setdefault("merged_from", []).append(section.get("model", kind))
     result: dict[str, Any] = {**top_level(per_model), "per_model": per_model}
     result["versions"] = parts[0]["versions"]
     if any(p["versions"] != parts[0]["versions"] for p in parts):

@@ -15,14 +15,12 @@ keeps a few, transfer.SegmentPool). A second clone of bytes already taken, or of
 view, is an ordinary copy. Everything else done to a source runs as on a plain tensor: views of the
 segment stay sources (0.3.0 slices before it clones), anything else comes back plain.
 
-No vLLM import here: torch and ctypes only.
+No vLLM import here: torch only.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
-import mmap
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,13 +32,13 @@ from .transfer import _substitute, flatten
 
 
 class HandoverTarget:
-    """The segment bytes of one reply: ``low`` is the address of the mapping's first byte."""
+    """The segment bytes of one reply: ``leased`` the buffer over them that holds the segment's lease
+    (transfer._leased_bytes), ``low`` the address of its first byte."""
 
-    def __init__(self, lease: Any, mapping: mmap.mmap, low: int, nbytes: int, on_first: Callable[[], None]) -> None:
-        self.lease = lease
-        self.mapping = mapping
+    def __init__(self, leased: Any, low: int, on_first: Callable[[], None]) -> None:
+        self.leased = leased
         self.low = low
-        self.high = low + nbytes
+        self.high = low + len(memoryview(leased))
         self.on_first = on_first  # the first tensor taken: the segment is now kept by a result
         self.taken = 0
         self._starts: list[int] = []  # byte ranges taken, sorted by start
@@ -72,10 +70,10 @@ class HandoverTarget:
             return None
         if self.taken == 1:
             self.on_first()
-        buffer_type: Any = type("HandedBytes", (ctypes.c_ubyte * nbytes,), {})  # a subclass: it takes attributes
-        buffer = buffer_type.from_buffer(self.mapping, start)
-        buffer.lease = self.lease  # the worker leaves the segment alone while this tensor's storage lives
-        return torch.frombuffer(buffer, dtype=source.dtype).view(source.shape)
+        # A storage of exactly these bytes that keeps the leased buffer (and so the lease) alive: the
+        # worker leaves the segment alone while this tensor's storage lives.
+        taken = torch.frombuffer(self.leased, dtype=source.dtype, count=source.numel(), offset=start)
+        return taken.view(source.shape)
 
 
 class CloneSource(torch.Tensor):
@@ -136,12 +134,10 @@ def _as_sources(result: Any, target: HandoverTarget) -> Any:
     return result
 
 
-def as_clone_sources(
-    reply: Any, lease: Any, mapping: mmap.mmap, low: int, nbytes: int, on_first: Callable[[], None]
-) -> Any:
+def as_clone_sources(reply: Any, leased: Any, low: int, on_first: Callable[[], None]) -> Any:
     """``reply`` (rebuilt over one segment by transfer.DriverMappings.open) with its non-empty CPU
-    tensors as ``CloneSource`` views of one target spanning the segment's ``nbytes``."""
+    tensors as ``CloneSource`` views of one target spanning the reply's bytes."""
     template, tensors = flatten(reply)
-    target = HandoverTarget(lease, mapping, low, nbytes, on_first)
+    target = HandoverTarget(leased, low, on_first)
     wrapped = [_as_source(t, target) if t.device.type == "cpu" and t.numel() > 0 else t for t in tensors]
     return _substitute(template, lambda position: wrapped[position.index])

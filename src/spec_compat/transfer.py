@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import itertools
 import logging
 import math
@@ -100,20 +101,22 @@ def flatten(value: Any) -> tuple[Any, list[Any]]:
     import torch
 
     tensors: list[Any] = []
+    return _walk(value, tensors, torch.Tensor), tensors
 
-    def walk(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-            return _Position(len(tensors) - 1)
-        if isinstance(item, list):
-            return [walk(x) for x in item]
-        if isinstance(item, tuple):
-            return tuple(walk(x) for x in item)
-        if isinstance(item, dict):
-            return {key: walk(x) for key, x in item.items()}
-        return item
 
-    return walk(value), tensors
+def _walk(item: Any, tensors: list[Any], tensor_type: type) -> Any:
+    # A module-level function, not a recursive closure: a closure that refers to itself is a reference
+    # cycle, which kept ``tensors`` (and the segment's lease they hold) alive until the garbage collector ran.
+    if isinstance(item, tensor_type):
+        tensors.append(item)
+        return _Position(len(tensors) - 1)
+    if isinstance(item, list):
+        return [_walk(x, tensors, tensor_type) for x in item]
+    if isinstance(item, tuple):
+        return tuple(_walk(x, tensors, tensor_type) for x in item)
+    if isinstance(item, dict):
+        return {key: _walk(x, tensors, tensor_type) for key, x in item.items()}
+    return item
 
 
 @dataclass(frozen=True)
@@ -430,8 +433,8 @@ def _leased_bytes(mapping: mmap.mmap, nbytes: int, lease: _Lease) -> Any:
 class DriverMappings:
     """The driver's mappings of one executor's segments, kept across calls (mapped and faulted once).
 
-    ``open(states, handover=...)``: with a ``handover(reply, lease, low, nbytes)`` function, the reply's
-    tensors are passed through it (adapter driver-states-handover: their clones may keep the segment),
+    ``open(states, handover=...)``: with a ``handover(reply, leased_bytes, low, on_first)`` function, the
+    reply's tensors are passed through it (adapter driver-states-handover: their clones may keep the segment),
     unless the segments already kept by results would pass ``held_limit`` bytes with this one.
     """
 
@@ -480,9 +483,9 @@ class DriverMappings:
         if states.nbytes == 0:
             return _substitute(states.template, lambda ref: torch.empty(ref.shape, dtype=getattr(torch, ref.dtype)))
         lease = _Lease(states.path)
-        base = torch.frombuffer(
-            _leased_bytes(self._mapping(states.path, states.segment_size), states.nbytes, lease), dtype=torch.uint8
-        )
+        mapping = self._mapping(states.path, states.segment_size)
+        leased = _leased_bytes(mapping, states.nbytes, lease)
+        base = torch.frombuffer(leased, dtype=torch.uint8)
 
         def view(ref: TensorRef) -> Any:
             dtype = getattr(torch, ref.dtype)
@@ -496,8 +499,7 @@ class DriverMappings:
             if self.held_bytes + states.segment_size > self.held_limit:
                 self.refused += 1
                 return reply
-        mapping = self._mapping(states.path, states.segment_size)
-        return handover(reply, lease, mapping, base.data_ptr(), states.nbytes, lambda: self.hold(lease, len(mapping)))
+        return handover(reply, leased, base.data_ptr(), functools.partial(self.hold, lease, len(mapping)))
 
     def close(self) -> None:
         self.maps.clear()

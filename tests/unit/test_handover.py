@@ -140,3 +140,23 @@ def test_results_released_from_another_thread_free_the_segment(directory: str) -
     open_reply(reply_04(), pool, mappings)
     assert len(pool.segments) == 1, "the freed segment is reused"
     pool.close()
+
+
+def test_the_lease_is_released_without_the_garbage_collector(directory: str) -> None:
+    """Reference counting alone frees a reply's segment once its results are dropped (a reference cycle
+    once kept it until the collector ran: the worker then made a new segment per call)."""
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            reply = open_reply(reply_04(), pool, mappings)
+            results = [[h.clone() for h in reply[key]] for key in sorted(reply)]
+            del reply
+            assert pool.segments[0].leased()
+            del results
+            assert not pool.segments[0].leased() and mappings.held_bytes == 0
+        assert pool.made == 1
+    finally:
+        gc.enable()
+    pool.close()
