@@ -14,6 +14,8 @@ from shared_constants import TESTED_SPECULATORS
 from engine_harness import require_speculators
 
 CELLS = Path(__file__).resolve().parent / "cells"
+# Not an engine, but a fresh interpreter importing vLLM per speculators version: slow, kept out of -m "not engine".
+pytestmark = pytest.mark.engine
 
 
 @pytest.mark.parametrize("speculators", TESTED_SPECULATORS)

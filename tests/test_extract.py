@@ -215,8 +215,6 @@ def test_cli_errors_are_one_line(tmp_path: Path, change: dict[str, str], message
     assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1
 
 
-
-
 def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
     samples: dict[str, dict[str, object]] = json.loads((out / "manifest.json").read_text())["samples"]
     for key, entry in samples.items():

@@ -7,9 +7,13 @@ loader reads) with nothing missing or left over, and its text model is the deeps
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_harness import LAYER_IDS, model_dir, prompts
+
+# Builds the kimi_k25 and deepseek_v3 checkpoints and runs HF on them: slow, kept out of -m "not engine".
+pytestmark = pytest.mark.engine
 
 
 def test_transformers_loads_the_wrapper_checkpoint_completely() -> None:

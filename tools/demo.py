@@ -2,18 +2,34 @@
 
 Builds a tiny random-weight Qwen3-MoE model locally (no hub), extracts hidden states at
 tensor_parallel_size=2 on CPU, and compares every returned layer with HF transformers (float32).
+Prints a few lines; ``--verbose`` adds vLLM's and its workers' logs, Python's warnings and every
+adapter's decision.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+# Without --verbose; set before vLLM starts, so its spawned workers (which re-import this file) inherit it.
+QUIET_ENV = {
+    "SPEC_COMPAT_DEMO_QUIET": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10's warnings (NUMA binding)
+    "TQDM_DISABLE": "1",  # progress bars of the checkpoint writer and loaders
+}
+if os.environ.get("SPEC_COMPAT_DEMO_QUIET"):
+    # Messages logged before a logger is configured reach Python's last-resort handler (WARNING and up).
+    logging.basicConfig(level=logging.ERROR)
 
 
 def main() -> int:
@@ -21,14 +37,24 @@ def main() -> int:
     parser.add_argument("--family", default="qwen3_moe", choices=["dense", "qwen3_moe", "deepseek_v3"])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "spec_compat" / "demo")
+    parser.add_argument("--verbose", action="store_true", help="vLLM's logs, warnings, every adapter's decision")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
+    if not args.verbose:
+        for key, value in QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+        logging.basicConfig(level=logging.ERROR)
+        warnings.simplefilter("ignore")
 
     import spec_compat
 
     report = spec_compat.apply(strict=True, dtype="float32")
-    print(report)
+    if args.verbose:
+        print(report)
+    else:
+        print(str(report).splitlines()[0])
+        print(f"  {len(report.applied)} of {len(report.decisions)} adapters apply (--verbose lists them)")
 
     from speculators.data_generation import VllmHiddenStatesGenerator
 

@@ -55,9 +55,7 @@ def main() -> None:
         d.id for d in first.decisions if not d.applies and "outside this adapter's range" in d.reason
     )
     out["range_excluded_expected"] = sorted(
-        a.id
-        for a in BY_ID.values()
-        if a.id in decisions and a.speculators_excludes(installed) is not None
+        a.id for a in BY_ID.values() if a.id in decisions and a.speculators_excludes(installed) is not None
     )
 
     reverted = spec_compat.revert()

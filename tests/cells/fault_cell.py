@@ -103,9 +103,7 @@ def kill_while_writing_states_on_rank_0(worker: Any) -> None:
 
 
 def _capture(fn: Any) -> dict[str, Any]:
-    return capture(
-        fn, lambda exc: {"exc_type": getattr(exc, "exc_type", None), "rank": getattr(exc, "rank", None)}
-    )
+    return capture(fn, lambda exc: {"exc_type": getattr(exc, "exc_type", None), "rank": getattr(exc, "rank", None)})
 
 
 def main() -> None:
