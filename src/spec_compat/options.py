@@ -11,6 +11,9 @@ from types import ModuleType
 from .detect import Environment
 
 DTYPE_ENV = "SPEC_COMPAT_DTYPE"
+# A vLLM attention backend name (AttentionBackendEnum), e.g. CPU_MLA: vLLM's reference MLA backend on CPU,
+# which takes float32 (on an AMX host vLLM picks AMX_MLA, bfloat16 only).
+ATTENTION_BACKEND_ENV = "SPEC_COMPAT_ATTENTION_BACKEND"
 DISABLE_ENV = "SPEC_COMPAT_DISABLE"  # comma-separated adapter ids to leave out (for diagnosis)
 WORKER_LOG_ENV = "SPEC_COMPAT_WORKER_LOG_LEVEL"  # e.g. INFO: show speculators' worker log lines
 RPC_TIMEOUT_ENV = "SPEC_COMPAT_RPC_TIMEOUT"  # seconds: deadline of every worker RPC / model step of generate()
@@ -41,15 +44,22 @@ class Options:
     of speculators' worker code (and spec_compat's) from every TP worker at this level, prefixed
     with the rank (vLLM only configures its own loggers there, so INFO lines are lost).
     ``rpc_timeout_s``: the deadline of every worker RPC and model step generate() drives
-    (``DEFAULT_RPC_TIMEOUT_S``; the engine load has none)."""
+    (``DEFAULT_RPC_TIMEOUT_S``; the engine load has none). ``attention_backend``: the vLLM attention
+    backend the engine uses (an ``AttentionBackendEnum`` name such as "CPU_MLA"; speculators' config leaves
+    vLLM to choose)."""
 
     dtype: str | None = None
     check_results: bool = True
     disable: tuple[str, ...] = ()
     worker_log_level: str | None = None
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.attention_backend is not None and (
+            not isinstance(self.attention_backend, str) or not self.attention_backend.strip()
+        ):
+            raise ValueError(f"attention_backend must be a vLLM attention backend name, got {self.attention_backend!r}")
         if self.dtype is not None and self.dtype not in VALID_DTYPES:
             raise ValueError(f"dtype must be one of {VALID_DTYPES} or None, got {self.dtype!r}")
         if self.worker_log_level is not None and self.worker_log_level.upper() not in VALID_LOG_LEVELS:
@@ -64,6 +74,7 @@ class Options:
         disable: tuple[str, ...] = (),
         worker_log_level: str | None = None,
         rpc_timeout_s: float | None = None,
+        attention_backend: str | None = None,
     ) -> Options:
         from_env = tuple(x.strip() for x in os.environ.get(DISABLE_ENV, "").split(",") if x.strip())
         if rpc_timeout_s is None:
@@ -75,6 +86,7 @@ class Options:
             disable=tuple(sorted(set(disable) | set(from_env))),
             worker_log_level=worker_log_level or os.environ.get(WORKER_LOG_ENV) or None,
             rpc_timeout_s=rpc_timeout_s,
+            attention_backend=attention_backend or os.environ.get(ATTENTION_BACKEND_ENV, "").strip() or None,
         )
 
     def to_json(self) -> str:

@@ -92,6 +92,7 @@ ADAPTERS: tuple[Adapter, ...] = ordered(
         watchdog.WORKER_STACK_DUMP,
         # ---- driver side: names in speculators.data_generation.vllm_hidden_states_generator -------------
         driver_calls.MODEL_DTYPE,
+        driver_calls.ATTENTION_BACKEND,
         driver_calls.BLOCK_SIZE_FROM_PLATFORM,
         driver_calls.PREFIX_CACHING_OFF,
         driver_calls.SCHEDULER_CONFIG_ENCODER_DECODER,
