@@ -30,6 +30,9 @@ def test_doctor_compatible(speculators: str) -> None:
     assert result["environment"]["speculators"].startswith(speculators)
     assert any(a["id"] == "request-kwargs" and a["applies"] for a in result["adapters"])
     assert result["preflight"] and all(f["ok"] for f in result["preflight"])
+    if result["environment"]["platform"] == "cpu":  # the AMX check: None on a CPU without AMX, never an error
+        amx = result["cpu_amx"]
+        assert amx is None or ("error" not in amx and amx["probe"]["bare"] in ("runs", "traps", "no kernel")), amx
     table = _run(["-m", "spec_compat", "doctor"], speculators)
     assert table.returncode == 0 and "verdict: compatible" in table.stdout
 

@@ -37,6 +37,28 @@ def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
     return {**decision, **notes}
 
 
+def cpu_amx_section(options: Any) -> dict[str, Any] | None:
+    """Which of vLLM's CPU paths need bfloat16 or may trap on this AMX host, and the way out
+    (adapters/cpu_amx.py; None without AMX). A failed check is reported, never raised."""
+    from .adapters import cpu_amx
+
+    try:
+        return cpu_amx.amx_check(options)
+    except Exception as exc:  # noqa: BLE001 - the rest of the report stands
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def render_cpu_amx(section: dict[str, Any]) -> list[str]:
+    if "error" in section:
+        return [f"cpu AMX: check failed: {section['error']}"]
+    flags = ", ".join(section["advertised"]) or "amx_tile"
+    lines = [f"cpu AMX: this CPU advertises {flags}; vLLM picks AMX-only kernels for some paths"]
+    lines.append(f"  kernel: {section['kernel']}")
+    lines.extend(f"  {what:24s} {line}" for what, line in section["paths"].items())
+    lines.extend(f"  way out: {line}" for line in section["way_out"])
+    return lines
+
+
 def diagnose() -> tuple[int, dict[str, Any]]:
     import spec_compat
 
@@ -57,7 +79,7 @@ def diagnose() -> tuple[int, dict[str, Any]]:
             code, verdict = EXIT_COMPATIBLE, "compatible"
         else:
             code, verdict = EXIT_INCOMPATIBLE, "incompatible"
-        result = {
+        result: dict[str, Any] = {
             "verdict": verdict,
             "environment": report.env.as_dict(),
             "adapters": [_with_registry_notes(asdict(d)) for d in report.decisions],
@@ -65,6 +87,8 @@ def diagnose() -> tuple[int, dict[str, Any]]:
             "problems": report.problems,
             "model_runner": model_runner(decisions, report.env.platform),
         }
+        if report.env.platform == "cpu":
+            result["cpu_amx"] = cpu_amx_section(report.options)
     finally:
         spec_compat.revert()
     return code, result
@@ -94,6 +118,8 @@ def render(result: dict[str, Any], explain: bool = False) -> str:
         lines.extend(f"  FAIL {f['what']}: {f['detail']}" for f in bad)
     if result.get("model_runner"):
         lines.append(f"model runner: {result['model_runner']}")
+    if result.get("cpu_amx"):
+        lines.extend(render_cpu_amx(result["cpu_amx"]))
     for problem in result.get("problems", []):
         lines.append(f"problem: {problem}")
     if result.get("error"):
