@@ -115,7 +115,9 @@ def test_generator_matches_hf(cell: Cell) -> None:
     # directory is gone after shutdown.
     transfer = record["transfer"]
     assert transfer["states_replies"]["verified"] > 0 and transfer["states_replies"]["unverified"] == 0, transfer
-    assert 1 <= len(transfer["segments_before_shutdown"]) <= 2, transfer
+    assert len(transfer["segments_before_shutdown"]) >= 1, transfer
+    reused = record["segments_reused"]  # two more calls, their results dropped: no segment made
+    assert reused["before"] and set(reused["after"]) <= set(reused["before"]), reused
     assert not transfer["directory_left"], transfer
     fault = record["fault"]
     assert fault is not None and fault["type"] == "WorkerError", fault

@@ -26,6 +26,7 @@ No vLLM import here: this is torch, mmap and flock only.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import fcntl
@@ -50,7 +51,8 @@ DIR_PREFIX = "spec_compat-transfer-"
 ALIGN = 256  # bytes; every chunk starts aligned (DMA and any dtype view)
 CHUNK_BYTES = 256 << 20  # largest device-side concatenation (bounds the extra device memory)
 SIZE_STEP = 4 << 20  # segment sizes are multiples of this
-SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses
+SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses (at least; SegmentPool)
+USE_WINDOW = 32  # replies over which the most segments in use at once is remembered
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
 
@@ -264,9 +266,12 @@ class Segment:
 
 
 class SegmentPool:
-    """The worker's segments: reuse the smallest free one that fits, keep the ``SPARE_SEGMENTS`` most
-    recently used other free ones (a call in parts, or results the driver still holds while the next
-    call runs, needs several in turn), free the rest, make a new one when none fits."""
+    """The worker's segments: reuse the smallest free one that fits, keep the most recently used other
+    free ones, free the rest, make a new one when none fits.
+
+    How many free ones are kept: ``SPARE_SEGMENTS``, or as many as were in use at once within the last
+    ``USE_WINDOW`` replies if more (a call run in parts, or results the driver holds while the next
+    call runs, needs that many in turn: fewer would free and re-make segments every call)."""
 
     def __init__(self, directory: str, name: str) -> None:
         self.directory = directory
@@ -277,6 +282,7 @@ class SegmentPool:
         self.last_used: dict[str, int] = {}
         self.pinning_failed = False  # once cudaHostRegister has failed, copy unpinned instead of retrying
         self.made = 0
+        self._in_use: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # leased + 1, per acquire
 
     def _close(self, segment: Segment) -> None:
         self.segments.remove(segment)
@@ -288,8 +294,10 @@ class SegmentPool:
         free = [s for s in self.segments if not s.leased()]
         fitting = [s for s in free if s.size >= nbytes and (s.pinned or not pin)]
         chosen = min(fitting, key=lambda s: s.size) if fitting else None
+        self._in_use.append(len(self.segments) - len(free) + 1)
+        keep = max(SPARE_SEGMENTS, max(self._in_use) - 1)
         spares = sorted((s for s in free if s is not chosen), key=lambda s: -self.last_used.get(s.path, -1))
-        for segment in spares[SPARE_SEGMENTS:]:
+        for segment in spares[keep:]:
             self._close(segment)
         if chosen is None:
             size = _round_up(nbytes + nbytes // 8, SIZE_STEP)  # headroom for the next, slightly larger call
@@ -297,7 +305,7 @@ class SegmentPool:
             try:
                 chosen = Segment(path, size, pin)
             except OSError:  # a full /dev/shm: make room from the spares, then try once more
-                for segment in spares[:SPARE_SEGMENTS]:
+                for segment in spares[:keep]:
                     self._close(segment)
                 chosen = Segment(path, size, pin)
             self.made += 1

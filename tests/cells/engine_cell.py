@@ -68,6 +68,16 @@ def main() -> None:
             for x, y in zip(results, again, strict=True)
             for a, b in zip(x["hidden_states"], y["hidden_states"], strict=True)
         )
+        # Results keep the shared-memory segment they came in (driver-states-handover): dropped here,
+        # the worker reuses those segments for the calls below instead of making new ones.
+        del results, again
+        # Nothing held between calls: the worker reuses its segments and makes no new one.
+        directory = getattr(generator.executor, "transfer_directory", None)
+        before = sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []
+        for _ in range(2):
+            generator.generate(spec["prompts"])
+        after = sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []
+        record["segments_reused"] = {"before": before, "after": after}
         if spec.get("chunk_budget"):
             # A small per-step token budget forces chunked prefill (what max_num_batched_tokens sets).
             generator.scheduler.max_num_scheduled_tokens = spec["chunk_budget"]

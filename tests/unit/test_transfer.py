@@ -73,6 +73,7 @@ def test_layout_chunks_by_dtype_and_size(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_segment_is_reused_once_released_and_not_while_held(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 0)  # every free segment but the one used is freed
+    monkeypatch.setattr(transfer, "USE_WINDOW", 1)  # ... however many were in use at once before
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     held = _roundtrip([torch.randn(100, 64)], pool, mappings)
     first = pool.segments[0].path
@@ -95,6 +96,7 @@ def test_segment_is_reused_once_released_and_not_while_held(directory: str, monk
 
 def test_repeated_calls_do_not_leak(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 0)  # every free segment but the one used is freed
+    monkeypatch.setattr(transfer, "USE_WINDOW", 1)  # ... however many were in use at once before
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     fds_after_first = 0
     for call in range(200):
@@ -113,6 +115,7 @@ def test_repeated_calls_do_not_leak(directory: str, monkeypatch: pytest.MonkeyPa
 
 def test_growing_replies_get_a_larger_segment(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 0)  # every free segment but the one used is freed
+    monkeypatch.setattr(transfer, "USE_WINDOW", 1)  # ... however many were in use at once before
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     _roundtrip([torch.zeros(10, 10)], pool, mappings)
     small = pool.segments[0].size
@@ -130,6 +133,7 @@ def test_free_segments_are_kept_as_spares_up_to_the_limit(directory: str, monkey
     """A call in parts (or results held while the next call runs) needs several segments in turn: the
     most recently used free ones are kept, at most SPARE_SEGMENTS besides the one in use."""
     monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 2)
+    monkeypatch.setattr(transfer, "USE_WINDOW", 1)
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     held = [_roundtrip([torch.randn(100 + 50 * k, 64)], pool, mappings) for k in range(4)]
     assert len(pool.segments) == 4 and pool.made == 4
@@ -142,6 +146,25 @@ def test_free_segments_are_kept_as_spares_up_to_the_limit(directory: str, monkey
         gc.collect()
     assert pool.made == 4, "no segment was made for the parts"
     assert len(pool.segments) == 3, "one in use and two spares; the oldest free one is freed"
+    pool.close()
+
+
+def test_as_many_free_segments_are_kept_as_were_in_use_at_once(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call in 5 parts whose results are held until it returns needs 5 segments every call: they are
+    kept (not freed and made again) while that many were in use within the last USE_WINDOW replies."""
+    monkeypatch.setattr(transfer, "SPARE_SEGMENTS", 1)
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    for _ in range(4):
+        parts = [_roundtrip([torch.randn(100, 64)], pool, mappings) for _ in range(5)]
+        del parts
+        gc.collect()
+    assert pool.made == 5 and len(pool.segments) == 5
+    monkeypatch.setattr(transfer, "USE_WINDOW", 2)  # the window moves past the parts: back to the spare
+    pool._in_use = transfer.collections.deque(pool._in_use, maxlen=2)
+    for _ in range(3):
+        _roundtrip([torch.randn(100, 64)], pool, mappings)
+        gc.collect()
+    assert len(pool.segments) == 2, "one in use and SPARE_SEGMENTS spare"
     pool.close()
 
 
