@@ -6,10 +6,24 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from tests.unit.source_module import load_source
+
+
+def recording_generator_module() -> tuple[ModuleType, list[dict[str, Any]]]:
+    """A stand-in for speculators' generator module whose ``VllmConfig`` records the keywords of each
+    call (and returns them as a namespace): what a VllmConfig-rewriting adapter hands vLLM."""
+    received: list[dict[str, Any]] = []
+
+    def vllm_config(**kwargs: Any) -> SimpleNamespace:
+        received.append(kwargs)
+        return SimpleNamespace(**kwargs)
+
+    module = ModuleType("speculators.data_generation.vllm_hidden_states_generator")
+    module.VllmConfig = vllm_config  # type: ignore[attr-defined]
+    return module, received
 
 
 class Recorder:

@@ -7,7 +7,6 @@ The engine-level proof is tests/test_engine.py's deepseek_v3 / kimi_k25 cells (t
 
 from __future__ import annotations
 
-from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from spec_compat.adapters import driver_calls
 from spec_compat.detect import detect
 from spec_compat.options import ATTENTION_BACKEND_ENV, Context, Options
 from spec_compat.patching import Patcher
+from tests.unit.fake_modules import recording_generator_module
 
 pytest.importorskip("vllm")
 from vllm.config import AttentionConfig
@@ -59,14 +59,8 @@ def test_attention_config_gets_the_backend_and_keeps_the_rest() -> None:
 
 
 def test_only_speculators_vllm_config_changes_and_revert_restores_it() -> None:
-    received: list[dict[str, Any]] = []
-
-    def vllm_config(**kwargs: Any) -> SimpleNamespace:
-        received.append(kwargs)
-        return SimpleNamespace(**kwargs)
-
-    module = ModuleType("speculators.data_generation.vllm_hidden_states_generator")
-    module.VllmConfig = vllm_config  # type: ignore[attr-defined]
+    module, received = recording_generator_module()
+    vllm_config = module.VllmConfig  # type: ignore[attr-defined]
     patcher = Patcher()
     driver_calls.ATTENTION_BACKEND.install(_ctx("CPU_MLA", module), patcher)
     module.VllmConfig(model_config="m")  # type: ignore[attr-defined]

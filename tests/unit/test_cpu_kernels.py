@@ -8,7 +8,6 @@ The release in the test venv has the PyTorch-native ``forward_cpu`` (so the prob
 from __future__ import annotations
 
 import dataclasses
-from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from spec_compat.adapters import cpu_kernels
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
+from tests.unit.fake_modules import recording_generator_module
 
 pytest.importorskip("vllm")
 import torch
@@ -67,14 +67,8 @@ def test_compilation_config_gets_rms_norm_off_and_keeps_the_rest() -> None:
 
 
 def test_only_speculators_vllm_config_changes_and_revert_restores_it() -> None:
-    received: list[dict[str, Any]] = []
-
-    def vllm_config(**kwargs: Any) -> SimpleNamespace:
-        received.append(kwargs)
-        return SimpleNamespace(**kwargs)
-
-    module = ModuleType("speculators.data_generation.vllm_hidden_states_generator")
-    module.VllmConfig = vllm_config  # type: ignore[attr-defined]
+    module, received = recording_generator_module()
+    vllm_config = module.VllmConfig  # type: ignore[attr-defined]
     patcher = Patcher()
     cpu_kernels.CPU_RMS_NORM_STRIDED.install(_ctx(module), patcher)
     module.VllmConfig(model_config="m")  # type: ignore[attr-defined]
