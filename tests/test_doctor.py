@@ -14,6 +14,8 @@ from shared_constants import TESTED_SPECULATORS
 from engine_harness import require_speculators
 
 CELLS = Path(__file__).resolve().parent / "cells"
+# Not an engine, but doctor in a fresh interpreter importing vLLM (and its AMX probe): slow, not in -m "not engine".
+pytestmark = pytest.mark.engine
 
 
 def _run(args: list[str], speculators: str) -> subprocess.CompletedProcess[str]:
