@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from engine_harness import Cell, model_dir, record_figure, run_cell
+from spec_compat import transfer
 
 if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
     from conftest import EngineEnv
@@ -52,9 +53,12 @@ def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path, en
     assert driver_growth < 0.02 * record["rss_after_10"][0], record
     # The shared-memory transfer over the same calls: every reply through it and checked on the
     # worker, the segment reused (a batch larger than any before may need one more), no driver
-    # descriptor left open per call, nothing left in /dev/shm after shutdown.
+    # descriptor left open per call, nothing left in /dev/shm after shutdown. The 24 single-prompt
+    # results stay alive all along: they keep up to HELD_SEGMENTS segments (driver-states-handover),
+    # the later ones are copies.
     assert record["states_replies"] == {"verified": CALLS + 24, "unverified": 0}, record["states_replies"]
-    assert record["segments_max"] <= 2 and record["segments_made"] <= 4, record
+    held = transfer.HELD_SEGMENTS
+    assert record["segments_max"] <= held + 2 and record["segments_made"] <= held + 4, record
     assert record["driver_fds_end"] == record["driver_fds_after_10"], record
     assert record["transfer_directory_left"] is False
     # vLLM's CPU workers grow on their own under varied batches (measured: ~+0.6 MB/call with

@@ -443,14 +443,22 @@ class DriverMappings:
 
     ``open(states, handover=...)``: with a ``handover(reply, leased_bytes, low, on_first)`` function, the
     reply's tensors are passed through it (adapter driver-states-handover: their clones may keep the segment),
-    unless the segments already kept by results would pass ``held_limit`` bytes with this one.
+    unless the segments already kept by results would pass ``held_limit`` bytes or ``held_segments_limit``
+    segments with this one (results kept for long, e.g. of many small calls, then copy: each kept segment
+    is a file in /dev/shm and a descriptor in the worker).
     """
 
-    def __init__(self, directory: str, held_limit: int | None = None) -> None:
+    def __init__(self, directory: str, held_limit: int | None = None, held_segments_limit: int | None = None) -> None:
         self.directory = directory
         self.maps: dict[str, mmap.mmap] = {}
         self.held_limit = _default_held_limit(directory) if held_limit is None else held_limit
-        self.held_bytes = 0  # bytes of segments whose lease a handed-over result keeps
+        self.held_segments_limit = (
+            int(os.environ.get(HELD_SEGMENTS_ENV) or HELD_SEGMENTS)
+            if held_segments_limit is None
+            else held_segments_limit
+        )
+        self.held_segments = 0  # segments whose lease a handed-over result keeps
+        self.held_bytes = 0  # their bytes
         self.refused = 0  # replies not handed over (held_limit)
         self.held_count = 0  # segments a result kept at least once
         self._held_lock = threading.RLock()  # RLock: a release can run in the GC inside the lock
@@ -461,11 +469,13 @@ class DriverMappings:
             if lease.on_release is not None:
                 return
             self.held_bytes += size
+            self.held_segments += 1
             self.held_count += 1
 
             def release() -> None:
                 with self._held_lock:
                     self.held_bytes -= size
+                    self.held_segments -= 1
 
             lease.on_release = release
 
@@ -504,7 +514,8 @@ class DriverMappings:
         if handover is None:
             return reply
         with self._held_lock:
-            if self.held_bytes + states.segment_size > self.held_limit:
+            full = self.held_segments >= self.held_segments_limit
+            if full or self.held_bytes + states.segment_size > self.held_limit:
                 self.refused += 1
                 return reply
         return handover(reply, leased, base.data_ptr(), functools.partial(self.hold, lease, len(mapping)))
@@ -514,6 +525,8 @@ class DriverMappings:
 
 
 HELD_LIMIT_ENV = "SPEC_COMPAT_HANDOVER_MAX_BYTES"
+HELD_SEGMENTS_ENV = "SPEC_COMPAT_HANDOVER_MAX_SEGMENTS"
+HELD_SEGMENTS = 8  # segments results may keep at once (default of SPEC_COMPAT_HANDOVER_MAX_SEGMENTS)
 
 
 def _default_held_limit(directory: str) -> int:

@@ -125,6 +125,22 @@ def test_the_held_limit_falls_back_to_copies(directory: str) -> None:
     pool.close()
 
 
+def test_the_held_segments_limit_falls_back_to_copies(directory: str) -> None:
+    """Results kept from many calls: past the limit, replies are copied (and their segments reused)."""
+    pool = transfer.SegmentPool(directory, "w")
+    mappings = transfer.DriverMappings(directory, held_segments_limit=2)
+    kept = [[h.clone() for h in open_reply([torch.randn(4, 8)], pool, mappings)] for _ in range(2)]
+    assert mappings.held_segments == 2 and pool.made == 2
+    for _ in range(3):
+        copied = [h.clone() for h in open_reply([torch.randn(4, 8)], pool, mappings)]
+        assert type(copied[0]) is torch.Tensor
+    assert mappings.refused == 3 and pool.made == 3, "the copied replies share one segment"
+    del kept, copied
+    gc.collect()
+    assert mappings.held_segments == 0
+    pool.close()
+
+
 def test_results_released_from_another_thread_free_the_segment(directory: str) -> None:
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     reply = open_reply(reply_04(), pool, mappings)
