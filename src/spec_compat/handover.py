@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from . import timing
-from .transfer import _substitute, flatten
 
 
 class HandoverTarget:
@@ -134,10 +133,8 @@ def _as_sources(result: Any, target: HandoverTarget) -> Any:
     return result
 
 
-def as_clone_sources(reply: Any, leased: Any, low: int, on_first: Callable[[], None]) -> Any:
-    """``reply`` (rebuilt over one segment by transfer.DriverMappings.open) with its non-empty CPU
-    tensors as ``CloneSource`` views of one target spanning the reply's bytes."""
-    template, tensors = flatten(reply)
+def as_clone_sources(leased: Any, low: int, on_first: Callable[[], None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For one reply rebuilt over a segment by transfer.DriverMappings.open: the function that makes
+    each of its tensors a ``CloneSource`` view of one target spanning the reply's bytes."""
     target = HandoverTarget(leased, low, on_first)
-    wrapped = [_as_source(t, target) if t.device.type == "cpu" and t.numel() > 0 else t for t in tensors]
-    return _substitute(template, lambda position: wrapped[position.index])
+    return lambda tensor: _as_source(tensor, target)

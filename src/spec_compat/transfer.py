@@ -441,8 +441,9 @@ def _leased_bytes(mapping: mmap.mmap, nbytes: int, lease: _Lease) -> Any:
 class DriverMappings:
     """The driver's mappings of one executor's segments, kept across calls (mapped and faulted once).
 
-    ``open(states, handover=...)``: with a ``handover(reply, leased_bytes, low, on_first)`` function, the
-    reply's tensors are passed through it (adapter driver-states-handover: their clones may keep the segment),
+    ``open(states, handover=...)``: with a ``handover(leased_bytes, low, on_first)`` function, each of the
+    reply's non-empty tensors is passed through the function it returns (adapter driver-states-handover:
+    their clones may keep the segment),
     unless the segments already kept by results would pass ``held_limit`` bytes or ``held_segments_limit``
     segments with this one (results kept for long, e.g. of many small calls, then copy: each kept segment
     is a file in /dev/shm and a descriptor in the worker).
@@ -505,20 +506,22 @@ class DriverMappings:
         leased = _leased_bytes(mapping, states.nbytes, lease)
         base = torch.frombuffer(leased, dtype=torch.uint8)
 
+        wrap: Any = None  # each view as handover's source, when the reply is handed over
+        if handover is not None:
+            with self._held_lock:
+                full = self.held_segments >= self.held_segments_limit
+                if full or self.held_bytes + states.segment_size > self.held_limit:
+                    self.refused += 1
+                else:
+                    wrap = handover(leased, base.data_ptr(), functools.partial(self.hold, lease, len(mapping)))
+
         def view(ref: TensorRef) -> Any:
             dtype = getattr(torch, ref.dtype)
             size = math.prod(ref.shape) * dtype.itemsize
-            return base[ref.offset : ref.offset + size].view(dtype).view(ref.shape)
+            tensor = base[ref.offset : ref.offset + size].view(dtype).view(ref.shape)
+            return wrap(tensor) if wrap is not None and size else tensor
 
-        reply = _substitute(states.template, view)
-        if handover is None:
-            return reply
-        with self._held_lock:
-            full = self.held_segments >= self.held_segments_limit
-            if full or self.held_bytes + states.segment_size > self.held_limit:
-                self.refused += 1
-                return reply
-        return handover(reply, leased, base.data_ptr(), functools.partial(self.hold, lease, len(mapping)))
+        return _substitute(states.template, view)
 
     def close(self) -> None:
         self.maps.clear()
