@@ -435,7 +435,7 @@ class Bench:
         data = self.work / "extract_input.jsonl"
         repeat = entry["extract_repeat"] if self.args.extract_repeat is None else self.args.extract_repeat
         data.write_text("".join(json.dumps({"input_ids": p}) + "\n" for _ in range(repeat) for p in prompts))
-        output = self.work / "sc_extract_out"
+        output = (self.args.extract_output or self.work) / "sc_extract_out"
         shutil.rmtree(output, ignore_errors=True)
         command = [sys.executable, "-m", "spec_compat.cli", "extract", "--model", spec["model"], "--input", str(data)]
         command += ["--output", str(output), "--layer-ids", ",".join(str(x) for x in spec["layer_ids"])]
@@ -793,6 +793,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--extract-repeat", type=int, default=None, help="extract dataset: each set N times (default: the set's)"
     )
     parser.add_argument("--extract-args", default="", help="extra flags for spec-compat extract (one string)")
+    parser.add_argument(
+        "--extract-output", type=Path, default=None, help="where spec-compat extract writes (default: the work folder)"
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model, a few prompts, on CPU: plumbing only")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine gpu_<models>.json files ...")
     parser.add_argument("--write", type=Path, default=HERE / "results" / "gpu_latest.json", help="... into this file")
@@ -841,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: getattr(args, k) for k in ("rounds", "reps", "budget_s", "path_timeout_s", "max_model_len",
                                                     "dtype", "paths", "extract_repeat", "extract_args", "speculators",
                                                     "shim_disable", "digest", "rss_calls")},
+        "extract_output": str(args.extract_output) if args.extract_output else None,
         "per_model": {},
     }  # fmt: skip
 

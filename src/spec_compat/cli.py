@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         "leave listed files incomplete, which a rerun detects by their sha256 and redoes)",
     )
     extract.add_argument(
+        "--no-direct-io",
+        action="store_true",
+        help="write files through the page cache (default: staged in /dev/shm and written with O_DIRECT where "
+        "the output's file system takes it)",
+    )
+    extract.add_argument(
         "--conversations",
         action="store_true",
         help="the input is chat data (ShareGPT 'conversations' / 'messages'), tokenized and loss-masked by the "
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             writer_threads=args.writer_threads or default_writer_threads(),
             shard=shard,
             fsync=not args.no_fsync,
+            direct_io=not args.no_direct_io,
         )
         try:
             if args.replicas is not None:

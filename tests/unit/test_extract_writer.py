@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,31 @@ def test_writer_records_batches_in_order_once_written(tmp_path: Path) -> None:
         loaded = torch.load(tmp_path / entry["file"], weights_only=True)
         assert float(loaded["hidden_states"][0][0, 0]) == int(key) // 2 and entry["num_tokens"] == 3 + int(key) % 2
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_batches_are_recorded_off_the_callers_thread_without_it_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine loop submits and goes on: the directory fsync and the manifest save of a batch
+    happen on the recorder thread as soon as its files are written, not when the loop next waits."""
+    import threading
+
+    saved_on: list[str] = []
+    real_save = extract.Manifest.save
+
+    def save(self: extract.Manifest, sync: bool = False) -> None:
+        saved_on.append(threading.current_thread().name)
+        real_save(self, sync)
+
+    monkeypatch.setattr(extract.Manifest, "save", save)
+    writer = extract.BackgroundWriter(tmp_path, _manifest(tmp_path), threads=2, pending=2)
+    writer.submit([(0, _payload(3, 0.0)), (1, _payload(3, 0.0))])
+    writer.in_flight[0].result(timeout=60)  # the caller never waited on the writer for it
+    assert writer.wait_s == 0.0
+    listed = json.loads((tmp_path / "manifest.json").read_text())["samples"]
+    assert sorted(map(int, listed)) == [0, 1]
+    assert saved_on and all(name.startswith("spec-compat-recorder") for name in saved_on)
+    writer.close()
 
 
 def test_a_failed_write_names_the_file_and_keeps_every_complete_one(
@@ -111,3 +137,69 @@ def test_files_without_zip_crc_load_equal_and_the_sha256_still_catches_a_flipped
     data[data.find(payload["hidden_states"][0].numpy().tobytes()) + 5] ^= 0x01
     path.write_bytes(data)
     assert extract.sha256_of(path) != digest  # what a rerun checks (torch.load itself would not notice)
+
+
+def test_direct_io_files_equal_buffered_ones_and_leave_nothing_staged(tmp_path: Path) -> None:
+    """O_DIRECT from /dev/shm (padded to a block, truncated back): the same bytes, sha256 and tensors as
+    torch.save to the file itself; the staged copy is gone."""
+    staging = extract.direct_io_staging(tmp_path)
+    if staging is None:
+        pytest.skip("no O_DIRECT on the test's file system")
+    payload = _payload(1000, 0.25)  # 32 kB of states plus the zip: not a multiple of the block
+    buffered, direct = tmp_path / "buffered", tmp_path / "direct"
+    buffered.mkdir()
+    direct.mkdir()
+    name, tokens, digest = extract.write_sample(buffered, 3, payload)
+    name_d, tokens_d, digest_d = extract.write_sample(direct, 3, payload, staging=staging)
+    assert (name_d, tokens_d, digest_d) == (name, tokens, digest)
+    blob = (direct / name).read_bytes()
+    assert blob == (buffered / name).read_bytes() and len(blob) % extract.DIRECT_ALIGN
+    assert hashlib.sha256(blob).hexdigest() == digest
+    assert torch.equal(torch.load(direct / name)["hidden_states"][0], payload["hidden_states"][0])
+    assert not list(staging.glob(f"spec-compat-{os.getpid()}-*"))
+    assert sorted(p.name for p in direct.iterdir()) == [name]
+
+
+def test_a_staging_area_that_cannot_take_the_file_falls_back_to_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    real_save = torch.save
+
+    def full_staging(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(f).parent == staging:
+            raise OSError(28, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_staging)
+    name, _, digest = extract.write_sample(tmp_path, 0, _payload(8, 2.0), staging=staging)
+    assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest
+    assert not list(staging.iterdir())
+
+
+def test_a_file_system_refusing_unaligned_direct_writes_gets_the_bytes_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EINVAL on an O_DIRECT write (the open took the flag): the rest is written without it."""
+    import errno
+    import fcntl
+
+    staging = extract.direct_io_staging(tmp_path)
+    if staging is None:
+        pytest.skip("no O_DIRECT on the test's file system")
+    real_write = os.write
+    refused: list[int] = []
+
+    def refuse_direct(fd: int, data: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(extract.os, "write", refuse_direct)
+    payload = _payload(300, 1.0)
+    name, _, digest = extract.write_sample(tmp_path, 1, payload, staging=staging)
+    assert refused, "the O_DIRECT write was tried"
+    assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest
+    assert torch.equal(torch.load(tmp_path / name)["hidden_states"][0], payload["hidden_states"][0])
