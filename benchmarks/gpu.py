@@ -41,6 +41,9 @@ Keys (per model under ``per_model.<model>.ratios``, from the medians of the time
 level the worst over the models: the smallest ratio, the largest overhead):
 shim_vs_native       shim tokens/s / native tokens/s (native: until every file is written)
 extract_vs_native    spec-compat extract tokens/s (dataset to files) / native tokens/s
+extract_shm_vs_native  the same with extract's output in /dev/shm, where native writes (path ``extract_shm``)
+extract_vs_disk_bound  extract / what its disk takes with fsync on (benchmarks/disk_write.py, measured in the
+                     run, divided by the bytes extract wrote per token)
 shim_vs_llm_eager    shim / LLM.generate(max_tokens=1) with enforce_eager (no extraction at all)
 shim_vs_llm_default  shim / LLM.generate with vLLM's defaults (per model only)
 native_vs_llm_eager  what the native extraction itself costs (per model only)
@@ -77,7 +80,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PATHS = ("shim", "native", "llm_eager", "extract", "llm_default", "shim_without")
+PATHS = ("shim", "native", "llm_eager", "extract", "llm_default", "shim_without", "extract_shm")
+EXTRACT_PATHS = ("extract", "extract_shm")  # extract_shm: the same, its output in /dev/shm (native's storage)
 DEFAULT_PATHS = PATHS[:5]  # shim_without (the shim with --shim-disable's adapters left out) only when asked
 REQUIRED_KEYS = ("shim_vs_native", "extract_vs_native", "shim_vs_llm_eager", "overhead_fraction")
 TARGETS = {
@@ -86,9 +90,13 @@ TARGETS = {
     "overhead_fraction": ("<=", 0.05),
 }  # issue 27
 # Seconds a path is assumed to take (engine start + calls) until it has been measured in this run.
-PRIOR_S = {"shim": 70.0, "native": 60.0, "llm_eager": 50.0, "extract": 80.0, "llm_default": 90.0, "shim_without": 70.0}
+PRIOR_S = {
+    "shim": 70.0, "native": 60.0, "llm_eager": 50.0, "extract": 80.0, "llm_default": 90.0, "shim_without": 70.0,
+    "extract_shm": 80.0,
+}  # fmt: skip
 SMOKE_PRIOR_S = {
-    "shim": 30.0, "native": 30.0, "llm_eager": 30.0, "extract": 40.0, "llm_default": 50.0, "shim_without": 30.0
+    "shim": 30.0, "native": 30.0, "llm_eager": 30.0, "extract": 40.0, "llm_default": 50.0, "shim_without": 30.0,
+    "extract_shm": 40.0,
 }  # fmt: skip
 MARKER = "gpu_bench_model.json"
 
@@ -345,6 +353,7 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.priors = SMOKE_PRIOR_S if self.smoke else PRIOR_S
         self.commit = git_commit()
+        self.disk: dict[str, Any] | None = None  # the extract output's disk, measured once (disk_write.py)
 
     def remaining(self) -> float:
         return float(self.args.budget_s) - (time.perf_counter() - self.started)
@@ -397,8 +406,8 @@ class Bench:
     def run_path(self, kind: str, name: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
         stem = f"{kind}_r{round_}_{name}"
         log = self.logs / f"{stem}.log"
-        if name == "extract":
-            return self.run_extracts(kind, spec, round_, timeout)
+        if name in EXTRACT_PATHS:
+            return self.run_extracts(kind, name, spec, round_, timeout)
         spec_file = self.work / f"{stem}.spec.json"
         out_file = self.work / f"{stem}.out.json"
         env = self.env
@@ -418,24 +427,51 @@ class Bench:
             return {**record, "status": "failed", "exit": code, "error": last_error_line(log)}
         return {**record, "status": "ok", **json.loads(out_file.read_text())}
 
-    def run_extracts(self, kind: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
+    def extract_root(self, name: str) -> Path:
+        if name == "extract_shm":
+            return Path("/dev/shm")
+        return self.args.extract_output or self.work
+
+    def measure_disk(self, root: Path) -> dict[str, Any]:
+        """What the extract output's disk takes (benchmarks/disk_write.py, 2 GiB per way), once per run:
+        the bound on ``extract`` with fsync on, whatever the writer does."""
+        if self.disk is None:
+            import disk_write
+
+            folder = root / "sc_disk_write"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            try:
+                self.disk = {"dir": str(root), "gb_per_s": disk_write.measure(folder, 2 << 30)}
+            except OSError as exc:
+                self.disk = {"dir": str(root), "error": str(exc)}
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            print(f"   disk under {root}: {self.disk}", flush=True)
+        return self.disk
+
+    def run_extracts(self, kind: str, name: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
         """``spec-compat extract`` once per set (each its own process and engine)."""
+        root = self.extract_root(name)
+        disk = self.measure_disk(root) if name == "extract" else None
         started = time.perf_counter()
         sets: dict[str, Any] = {}
         for entry in spec["sets"]:
             left = timeout - (time.perf_counter() - started)
-            log = self.logs / f"{kind}_r{round_}_extract_{entry['name']}.log"
-            sets[entry["name"]] = self.run_extract(spec, entry, log, left)
+            log = self.logs / f"{kind}_r{round_}_{name}_{entry['name']}.log"
+            sets[entry["name"]] = {**self.run_extract(spec, entry, log, left, root), "disk": disk}
         statuses = {r["status"] for r in sets.values()}
         status = "ok" if statuses == {"ok"} else ("failed" if "ok" not in statuses else "partial")
         return {"status": status, "wall_s": time.perf_counter() - started, "sets": sets}
 
-    def run_extract(self, spec: dict[str, Any], entry: dict[str, Any], log: Path, timeout: float) -> dict[str, Any]:
+    def run_extract(
+        self, spec: dict[str, Any], entry: dict[str, Any], log: Path, timeout: float, root: Path
+    ) -> dict[str, Any]:
         prompts = json.loads(Path(entry["prompts_file"]).read_text())
         data = self.work / "extract_input.jsonl"
         repeat = entry["extract_repeat"] if self.args.extract_repeat is None else self.args.extract_repeat
         data.write_text("".join(json.dumps({"input_ids": p}) + "\n" for _ in range(repeat) for p in prompts))
-        output = (self.args.extract_output or self.work) / "sc_extract_out"
+        output = root / "sc_extract_out"
         shutil.rmtree(output, ignore_errors=True)
         command = [sys.executable, "-m", "spec_compat.cli", "extract", "--model", spec["model"], "--input", str(data)]
         command += ["--output", str(output), "--layer-ids", ",".join(str(x) for x in spec["layer_ids"])]
@@ -590,6 +626,9 @@ def summarize_paths(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
                 summary["digests"] = sorted({x for d in done for x in d.get("digests", [])})
                 summary["where_time_goes"] = where_time_goes(done)
                 summary["memory_per_call"] = [m for d in done for m in d.get("memory_per_call", [])]
+            if name in EXTRACT_PATHS and done:  # one process per set and round: the first ok one's details
+                for key in ("tokens", "output_bytes", "disk", "stats"):
+                    summary[key] = done[0].get(key)
             if name == "native":
                 summary["tokens_per_s_return_median"] = median_or_none([d["tokens_per_s_return_median"] for d in done])
                 summary["vs_shim_prompt0"] = next(
@@ -646,6 +685,11 @@ def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], co
         out[name] = {
             "shim_vs_native": ratio(med("shim", name), med("native", name)),
             "extract_vs_native": ratio(med("extract", name), med("native", name)),
+            # the same extract writing to /dev/shm, where native writes: the storage taken out
+            "extract_shm_vs_native": ratio(med("extract_shm", name), med("native", name)),
+            # what the disk allows: its fsync'd write speed (8 threads) / the bytes extract wrote per token
+            "extract_disk_bound_tokens_per_s": disk_bound(paths, name),
+            "extract_vs_disk_bound": ratio(med("extract", name), disk_bound(paths, name)),
             "overhead_fraction": shim.get("overhead_fraction"),
             # every call of the shim and of the shim with the speed-ups off returned the same bytes
             "bitwise_equal": (len(set(digests) | set(digests_without)) == 1) if digests and digests_without else None,
@@ -658,6 +702,19 @@ def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], co
             "commit": commit,
         }
     return out
+
+
+def disk_bound(paths: dict[str, dict[str, Any]], set_name: str) -> float | None:
+    """Tokens/s the extract output's disk could take with fsync on (``buffered_fsync_8`` of
+    disk_write.py, the larger of it and ``direct_4`` when extract wrote with O_DIRECT)."""
+    record = paths.get("extract", {}).get("sets", {}).get(set_name, {})
+    speeds = (record.get("disk") or {}).get("gb_per_s") or {}
+    direct = bool((record.get("stats") or {}).get("direct_io"))
+    gb_per_s = max(speeds.get("buffered_fsync_8") or 0.0, (speeds.get("direct_4") or 0.0) if direct else 0.0)
+    tokens, nbytes = record.get("tokens"), record.get("output_bytes")
+    if not gb_per_s or not tokens or not nbytes:
+        return None
+    return gb_per_s * 1e9 / (nbytes / tokens)
 
 
 def top_level(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -705,7 +762,7 @@ def device_of(per_model: dict[str, dict[str, Any]]) -> str | None:
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nGPU benchmark: {result.get('gpu')}; versions {result.get('versions')}")
     head = f"{'model':6s} {'set':9s} " + " ".join(f"{p:>12s}" for p in PATHS)
-    print(head + f" {'shim/nat':>9s} {'extr/nat':>9s} {'own':>6s} {'bitwise':>8s}")
+    print(head + f" {'shim/nat':>9s} {'extr/nat':>9s} {'shm/nat':>8s} {'ex/disk':>8s} {'own':>6s} {'bitwise':>8s}")
     for kind, section in result["per_model"].items():
         for name, entry in section.get("prompt_sets", {}).items():
             rates = entry.get("tokens_per_s", {})
@@ -713,7 +770,8 @@ def print_table(result: dict[str, Any]) -> None:
             equal = entry.get("bitwise_equal")
             print(
                 f"{kind:6s} {name:9s} {cells} {fmt(entry.get('shim_vs_native')):>9s} "
-                f"{fmt(entry.get('extract_vs_native')):>9s} {fmt(entry.get('overhead_fraction')):>6s} "
+                f"{fmt(entry.get('extract_vs_native')):>9s} {fmt(entry.get('extract_shm_vs_native')):>8s} "
+                f"{fmt(entry.get('extract_vs_disk_bound')):>8s} {fmt(entry.get('overhead_fraction')):>6s} "
                 f"{'n/a' if equal is None else str(equal):>8s}"
             )
     print("worst over models and sets: " + ", ".join(f"{k} {fmt(result.get(k))}" for k in REQUIRED_KEYS))

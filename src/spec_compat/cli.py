@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         "leave listed files incomplete, which a rerun detects by their sha256 and redoes)",
     )
     extract.add_argument(
-        "--no-direct-io",
+        "--direct-io",
         action="store_true",
-        help="write files through the page cache (default: staged in /dev/shm and written with O_DIRECT where "
-        "the output's file system takes it)",
+        help="stage each file in /dev/shm and write it with O_DIRECT, skipping the page cache (faster on some "
+        "disks, slower on others: benchmarks/extract_writer.py tells; the page cache where O_DIRECT is refused)",
     )
     extract.add_argument(
         "--conversations",
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             writer_threads=args.writer_threads or default_writer_threads(),
             shard=shard,
             fsync=not args.no_fsync,
-            direct_io=not args.no_direct_io,
+            direct_io=args.direct_io,
         )
         try:
             if args.replicas is not None:

@@ -9,7 +9,7 @@ Replica (a Ray actor: one process and its vLLM workers): ``spec_compat.apply()``
 speculators is imported (its vLLM workers get the worker side through spec_compat's plugin, as in
 a single-process run), one untouched ``VllmHiddenStatesGenerator``; a batch runs with bad samples
 isolated (``extract.generate_isolating``), each ``data_{idx}.pt`` is written under a temporary
-directory unique to the attempt (fsync'd, sha256 of the bytes read back from the disk) and the replica
+directory unique to the attempt (fsync'd, sha256 of the bytes written) and the replica
 returns (idx, temporary name, tokens, sha256, size).
 
 Exactly once: only the driver gives a file its final name (``os.replace``), after checking that
@@ -57,6 +57,7 @@ from .extract import (
     _kill_children,
     _write_json_atomic,
     checked_samples,
+    direct_io_staging,
     disable_zip_crc32,
     fsync_directory,
     generate_isolating,
@@ -101,6 +102,7 @@ class Replica:
         self.start_error: str | None = None
         self.report: Any = None
         self.pool = ThreadPoolExecutor(max(1, config.writer_threads), thread_name_prefix="spec-compat-writer")
+        self.staging = direct_io_staging(config.output) if config.direct_io else None  # O_DIRECT writes
         if cpu_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind  # the vLLM workers this process starts
         try:
@@ -165,7 +167,8 @@ class Replica:
         (output / attempt_dir).mkdir(parents=True, exist_ok=True)
         for idx, payload in payloads:
             tmp = f"{attempt_dir}/{sample_file_name(idx)}.tmp"
-            futures.append((idx, tmp, self.pool.submit(write_sample_unrenamed, output, idx, payload, tmp, sync)))
+            future = self.pool.submit(write_sample_unrenamed, output, idx, payload, tmp, sync, self.staging)
+            futures.append((idx, tmp, future))
         del payloads
         written: list[tuple[int, str, int, str, int]] = []
         problem: str | None = None

@@ -85,7 +85,7 @@ class ExtractConfig:
     gpu_memory_utilization: float = 0.8
     zip_crc32: bool = False  # torch.save's per-record zip CRC32 (see disable_zip_crc32)
     fsync: bool = True  # each file reaches the disk before the manifest lists it
-    direct_io: bool = True  # stage each file in /dev/shm and write it with O_DIRECT (see direct_io_staging)
+    direct_io: bool = False  # stage each file in /dev/shm and write it with O_DIRECT (see direct_io_staging)
     conversations: bool = False  # chat data through speculators' own preprocessing (conversations.py)
     seed: int = 0  # speculators' preprocessing shuffle seed (conversations only)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -408,13 +408,16 @@ DIRECT_CHUNK = 64 << 20  # bytes per write() call
 def direct_io_staging(output: Path) -> Path | None:
     """/dev/shm, where files written into ``output`` can go through O_DIRECT; else None (buffered).
 
-    Why: through the page cache every byte is copied into it and then written back by the kernel
-    before fsync returns; 8 threads did that at 0.6 GB/s here against 2.4 GB/s for O_DIRECT on the
-    same disk (benchmarks/disk_write.py), and an H200 machine's extract wrote 1.6 GB/s on a disk
-    taking 3.0 GB/s. O_DIRECT needs block-aligned buffers and lengths, which torch.save's file does
-    not have, so each file is saved into memory (/dev/shm, page-aligned when mapped), hashed there
-    and written from there, padded to a block, then truncated to its size. Probed here: a block
-    written with O_DIRECT into ``output`` (tmpfs and some network file systems refuse it)."""
+    Why (``--direct-io``, off by default): through the page cache every byte is copied into it and
+    written back by the kernel before fsync returns. Which is faster depends on the disk: on the
+    2-core development machine 8 threads wrote 0.6 GB/s that way against 2.4 GB/s with O_DIRECT
+    (benchmarks/disk_write.py) and extract's writer 0.46-0.55 against 0.75 GB/s
+    (benchmarks/extract_writer.py); on the H200 machine's virtual disk the writer did 1.56-1.60
+    through the page cache against 1.28-1.35 GB/s with O_DIRECT. O_DIRECT needs block-aligned
+    buffers and lengths, which torch.save's file does not have, so each file is saved into memory
+    (/dev/shm, page-aligned when mapped), hashed there and written from there, padded to a block,
+    then truncated to its size. Probed here: a block written with O_DIRECT into ``output`` (tmpfs
+    and some network file systems refuse it)."""
     staging = Path("/dev/shm")
     if not hasattr(os, "O_DIRECT") or not staging.is_dir() or not os.access(staging, os.W_OK):
         return None
