@@ -4,13 +4,14 @@ aliases, for annotations)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine_harness import require_speculators
+from engine_harness import CellPool, cells_read_by, require_speculators
 
 EngineEnv = Callable[[str, str], dict[str, str]]
+POOL = pytest.StashKey[CellPool]()
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +30,23 @@ def engine_env() -> EngineEnv:
         )
 
     return make
+
+
+@pytest.fixture(scope="session")
+def engine_cells(request: pytest.FixtureRequest) -> Iterator[CellPool]:
+    """The engine cells (tests/cells/engine_cell.py) every collected test reads (its ``Cell``
+    parameters), each run once, in the background from the first test that asks (CellPool)."""
+    pool = CellPool(cells_read_by(request.session.items))
+    request.config.stash[POOL] = pool
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_cell_beyond_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The module that started the engine cells waits at its end until all of them have run, so no
+    engine runs in the background of a later module's timing-sensitive tests (faults, hangs, signals)."""
+    yield
+    pool = request.config.stash.get(POOL, None)
+    if pool is not None:
+        pool.wait()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
+import queue
 import random
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,12 @@ def prompts(seed: int = 1234, vocab: int = 500) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+def big_batch() -> list[list[int]]:
+    """40 short prompts in one call: more than vLLM's max_num_seqs (32)."""
+    rng = random.Random(11)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 24))] for _ in range(40)]
+
+
 @dataclass(frozen=True)
 class Cell:
     speculators: str
@@ -66,12 +75,14 @@ class Cell:
     apply: bool = True
     disable: tuple[str, ...] = ()
     max_num_batched_tokens: int | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set in the cell's process (e.g. SPEC_COMPAT_VLLM_VERSION)
 
     @property
     def name(self) -> str:
         extra = "" if self.apply else "-noapply"
         extra += "".join(f"-no:{d}" for d in self.disable)
         extra += f"-mnbt{self.max_num_batched_tokens}" if self.max_num_batched_tokens else ""
+        extra += "".join(f"-{key}={value}" for key, value in self.env)
         return f"spec{self.speculators}-{self.family}-tp{self.tp}-{self.method}{extra}"
 
 
@@ -102,8 +113,12 @@ def attention_env(model: Path) -> dict[str, str]:
     return {ATTENTION_BACKEND_ENV: REFERENCE_MLA_BACKEND}
 
 
-def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:
-    """Run one engine cell in a fresh interpreter; (record or None, combined output tail)."""
+CellResult = tuple[dict[str, Any] | None, str]
+
+
+def run_cell(cell: Cell, cores: str | None = None) -> CellResult:
+    """Run one engine cell in a fresh interpreter; (record or None, combined output tail). ``cores``:
+    vLLM's OpenMP threads bind ("0|1" at TP=2 and "0" at TP=1 unless given)."""
     import torch
 
     speculators_dir = require_speculators(cell.speculators)
@@ -119,12 +134,12 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
         "chunk_budget": CHUNK_BUDGET,
         "chunk_prompts": [p for p in all_prompts if len(p) <= CHUNK_BUDGET],
         "chunk_prompts_long": all_prompts,
+        "big_batch": big_batch(),
         "apply": cell.apply,
         "disable": list(cell.disable),
         "max_num_batched_tokens": cell.max_num_batched_tokens,
         "fault": True,
     }
-    spec.update(spec_extra or {})
     spec_path = work / f"{cell.name}.json"
     out_path = work / f"{cell.name}.pt"
     out_path.unlink(missing_ok=True)
@@ -132,8 +147,9 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(speculators_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(cell.tp)) if cell.tp > 1 else "0"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = cores or "|".join(str(i) for i in range(cell.tp))
     env["VLLM_WORKER_MULTIPROC_METHOD"] = cell.method
+    env.update(cell.env)
     env.update(attention_env(Path(spec["model"])))
     proc = subprocess.run(
         [sys.executable, str(HERE / "cells" / "engine_cell.py"), str(spec_path), str(out_path)],
@@ -152,10 +168,70 @@ def run_cell(cell: Cell, spec_extra: dict[str, Any] | None = None) -> tuple[dict
     return torch.load(out_path, weights_only=False), output
 
 
-@functools.cache
-def run_cell_once(cell: Cell) -> tuple[dict[str, Any] | None, str]:
-    """``run_cell(cell)`` once per test session (tests that compare against a cell share it)."""
-    return run_cell(cell)
+class CellPool:
+    """Engine cells run once per session, ahead of the tests that read them, in background threads:
+    the TP=1 cells two at a time, each on its own core (a TP=1 engine keeps about one core busy), then
+    the TP=2 cells one at a time (their two ranks take both cores; a process beside them slows their
+    collective calls several fold). ``result(cell)`` waits for that cell's ``run_cell``."""
+
+    def __init__(self, cells: Iterable[Cell]) -> None:
+        ordered = list(dict.fromkeys(cells))
+        self._results: dict[Cell, Future[CellResult]] = {cell: Future() for cell in ordered}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run_all, args=(ordered,), name="cell-pool", daemon=True)
+        self._thread.start()
+
+    def result(self, cell: Cell) -> CellResult:
+        if cell not in self._results:
+            raise KeyError(f"{cell.name} is not among the cells this session's tests read (cells_read_by)")
+        return self._results[cell].result()
+
+    def wait(self) -> None:
+        """Return once every cell has run (no engine left running in the background)."""
+        self._thread.join()
+
+    def stop(self) -> None:
+        """Start no more cells, and wait for the running ones."""
+        self._stopping.set()
+        self._thread.join()
+
+    def _run_all(self, cells: list[Cell]) -> None:
+        free_cores: queue.SimpleQueue[str] = queue.SimpleQueue()
+        for core in ("0", "1"):
+            free_cores.put(core)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cell") as pair:
+            for cell in cells:
+                if cell.tp == 1:
+                    pair.submit(self._run_on_a_free_core, cell, free_cores)
+        for cell in cells:
+            if cell.tp > 1:
+                self._run(cell, None)
+
+    def _run_on_a_free_core(self, cell: Cell, free_cores: queue.SimpleQueue[str]) -> None:
+        core = free_cores.get()
+        try:
+            self._run(cell, core)
+        finally:
+            free_cores.put(core)
+
+    def _run(self, cell: Cell, cores: str | None) -> None:
+        if self._stopping.is_set():
+            self._results[cell].set_exception(RuntimeError(f"{cell.name} not run: the session is stopping"))
+            return
+        try:
+            self._results[cell].set_result(run_cell(cell, cores))
+        except BaseException as exc:  # noqa: BLE001 - pytest's skip / fail too: re-raised in the test
+            self._results[cell].set_exception(exc)
+
+
+def cells_read_by(items: Iterable[pytest.Item]) -> list[Cell]:
+    """The cells the collected tests read: every ``Cell`` among their parameters, in test order."""
+    return [
+        value
+        for item in items
+        for value in getattr(getattr(item, "callspec", None), "params", {}).values()
+        if isinstance(value, Cell)
+    ]
 
 
 def record_figure(name: str, values: dict[str, Any]) -> None:

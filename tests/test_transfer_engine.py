@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from engine_harness import Cell, run_cell, run_cell_once
+from engine_harness import Cell, CellPool
 
 pytestmark = pytest.mark.engine
 TRANSFER = ("captured-states-shared-memory", "executor-shared-memory-replies", "driver-states-handover")
-CASES = [Cell("0.4.0.1", "qwen3_moe", 2), Cell("0.3.0", "dense", 1)]
+CASES = [Cell("0.4.0.1", "qwen3_moe", 2), Cell("0.3.0", "dense", 1)]  # test_engine.py's cells, read again
+PAIRS = [(cell, Cell(cell.speculators, cell.family, cell.tp, disable=TRANSFER)) for cell in CASES]
 
 
 def _bitwise_equal(a: list[list[Any]], b: list[list[Any]]) -> bool:
@@ -24,11 +25,11 @@ def _bitwise_equal(a: list[list[Any]], b: list[list[Any]]) -> bool:
     )
 
 
-@pytest.mark.parametrize("cell", CASES, ids=[c.name for c in CASES])
-def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell) -> None:
-    shared, output = run_cell_once(cell)
+@pytest.mark.parametrize(("cell", "without"), PAIRS, ids=[c.name for c in CASES])
+def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell, without: Cell, engine_cells: CellPool) -> None:
+    shared, output = engine_cells.result(cell)
     assert shared is not None, output
-    pickled, output = run_cell(Cell(cell.speculators, cell.family, cell.tp, disable=TRANSFER))
+    pickled, output = engine_cells.result(without)
     assert pickled is not None, output
     assert pickled["transfer"]["directory"] is None and pickled["transfer"]["states_replies"]["verified"] == 0
     assert shared["transfer"]["states_replies"]["verified"] > 0
@@ -37,6 +38,7 @@ def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell) -> None:
     assert shared["results_own_storage"] and pickled["results_own_storage"]
     assert shared["input_ids"] == pickled["input_ids"]
     assert _bitwise_equal(shared["results"], pickled["results"])
+    assert _bitwise_equal(shared["big_batch"]["results"], pickled["big_batch"]["results"])
     for name in ("chunk_prompts", "chunk_prompts_long"):
         if isinstance(pickled[name], str):
             assert shared[name] == pickled[name]  # the same refusal

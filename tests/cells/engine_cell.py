@@ -2,8 +2,8 @@
 
 Usage: python tests/cells/engine_cell.py SPEC_JSON OUT_PT
 SPEC_JSON: {"model": dir, "tp": int, "layer_ids": [...], "prompts": [[...]], "chunk_budget": int,
-            "chunk_prompts": [[...]], "apply": bool, "disable": [...], "max_model_len": int}
-Writes {"results": [...], "repeat_equal": bool, "chunked": [...] | error text, "timings": {...}}.
+            "chunk_prompts": [[...]], "big_batch": [[...]], "apply": bool, "disable": [...], "max_model_len": int}
+Writes {"results": [...], "repeat_equal": bool, "big_batch": {...}, "chunked": [...] | error text, "timings": {...}}.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ def main() -> None:
             generator.generate(spec["prompts"])
         after = sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []
         record["segments_reused"] = {"before": before, "after": after}
+        if spec.get("big_batch"):
+            # More prompts in one call than vLLM's max_num_seqs (32): every one scheduled, in order.
+            results = generator.generate(spec["big_batch"])
+            ids = [r["input_ids"].tolist() for r in results]
+            record["big_batch"] = {"input_ids": ids, "results": _tensors(results)}
+            del results
         if spec.get("chunk_budget"):
             # A small per-step token budget forces chunked prefill (what max_num_batched_tokens sets).
             generator.scheduler.max_num_scheduled_tokens = spec["chunk_budget"]
