@@ -79,20 +79,38 @@ def _env(speculators: Path | None) -> dict[str, str]:
     return env
 
 
+CellRun = tuple[Path, Path | None, dict[str, Any]]
+
+
+def run_cells(*runs: CellRun) -> list[dict[str, Any]]:
+    """conversations_cell.py for each (work directory, speculators install, spec), all at once: each
+    a one-core process that no test times; their results in the order given."""
+    procs = []
+    for tmp, speculators, spec in runs:
+        (tmp / "cwd").mkdir(parents=True, exist_ok=True)
+        spec = {"work": str(tmp), "max_model_len": MAX_MODEL_LEN, "seed": 0, **spec}
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        command = [
+            sys.executable,
+            str(CELLS / "conversations_cell.py"),
+            str(tmp / "spec.json"),
+            str(tmp / "result.json"),
+        ]
+        with (tmp / "cell.log").open("w") as log:
+            proc = subprocess.Popen(
+                command, env=_env(speculators), cwd=tmp / "cwd", stdout=subprocess.DEVNULL, stderr=log
+            )
+        procs.append(proc)
+    results = []
+    for (tmp, _, _), proc in zip(runs, procs, strict=True):
+        proc.wait(timeout=600)
+        assert proc.returncode == 0, (tmp / "cell.log").read_text()[-4000:]
+        results.append(json.loads((tmp / "result.json").read_text()))
+    return results
+
+
 def run_cell(tmp: Path, speculators: Path | None, **spec: Any) -> dict[str, Any]:
-    (tmp / "cwd").mkdir(parents=True, exist_ok=True)
-    spec.setdefault("work", str(tmp))
-    spec.setdefault("max_model_len", MAX_MODEL_LEN)
-    spec.setdefault("seed", 0)
-    spec_path, out_path = tmp / "spec.json", tmp / "result.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, str(CELLS / "conversations_cell.py"), str(spec_path), str(out_path)],
-        env=_env(speculators), cwd=tmp / "cwd", capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
+    return run_cells((tmp, speculators, spec))[0]
 
 
 @pytest.mark.parametrize(
@@ -133,10 +151,10 @@ def test_seed_changes_the_order(tmp_path: Path) -> None:
     data, _ = sharegpt_file(tmp_path / "chat.jsonl", 8)
     speculators = require_speculators("0.4.0.1")
     model = str(chat_model(CHAT_TEMPLATE))
-    runs = [
-        run_cell(tmp_path / str(seed), speculators, model=model, input=str(data), seed=seed)["runs"]["0/1"]
-        for seed in (0, 1)
-    ]
+    cells = run_cells(
+        *((tmp_path / str(seed), speculators, {"model": model, "input": str(data), "seed": seed}) for seed in (0, 1))
+    )
+    runs = [cell["runs"]["0/1"] for cell in cells]
     assert runs[0]["samples"] != runs[1]["samples"]
     assert sorted(s[1] for s in runs[0]["samples"]) == sorted(s[1] for s in runs[1]["samples"])
 
@@ -151,8 +169,13 @@ def test_openai_messages_equal_sharegpt(tmp_path: Path) -> None:
             handle.write(json.dumps({"messages": messages}) + "\n")
     speculators = require_speculators("0.4.0.1")
     model = str(chat_model(CHAT_TEMPLATE))
-    sharegpt = run_cell(tmp_path / "a", speculators, model=model, input=str(data))["runs"]["0/1"]
-    openai = run_cell(tmp_path / "b", speculators, model=model, input=str(tmp_path / "messages.jsonl"))["runs"]["0/1"]
+    sharegpt, openai = (
+        cell["runs"]["0/1"]
+        for cell in run_cells(
+            (tmp_path / "a", speculators, {"model": model, "input": str(data)}),
+            (tmp_path / "b", speculators, {"model": model, "input": str(tmp_path / "messages.jsonl")}),
+        )
+    )
     assert openai == sharegpt and len(openai["samples"]) == 8
 
 
@@ -167,8 +190,6 @@ def test_bad_input_leaves_nothing_behind(tmp_path: Path) -> None:
 
 def test_unusable_speculators_is_one_line_value_error(tmp_path: Path) -> None:
     data, _ = sharegpt_file(tmp_path / "chat.jsonl", 2)
-    missing = run_cell(tmp_path / "none", None, model=str(chat_model(CHAT_TEMPLATE)), input=str(data))
-    assert "cannot be imported: ModuleNotFoundError: No module named 'speculators'" in missing["error"]
     fake = tmp_path / "fake"
     (fake / "speculators" / "data_generation").mkdir(parents=True)
     (fake / "speculators" / "__init__.py").write_text("")
@@ -176,7 +197,9 @@ def test_unusable_speculators_is_one_line_value_error(tmp_path: Path) -> None:
     (fake / "speculators" / "data_generation" / "preprocessing.py").write_text(
         "def load_and_preprocess_dataset(path, seq_length):\n    raise AssertionError('not to be called')\n"
     )
-    unknown = run_cell(tmp_path / "unknown", fake, model=str(chat_model(CHAT_TEMPLATE)), input=str(data))
+    spec = {"model": str(chat_model(CHAT_TEMPLATE)), "input": str(data)}
+    missing, unknown = run_cells((tmp_path / "none", None, spec), (tmp_path / "unknown", fake, spec))
+    assert "cannot be imported: ModuleNotFoundError: No module named 'speculators'" in missing["error"]
     assert "load_and_preprocess_dataset(path, seq_length) has no target_model_path" in unknown["error"]
     for error in (missing["error"], unknown["error"]):
         assert "\n" not in error

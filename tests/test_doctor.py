@@ -18,14 +18,23 @@ CELLS = Path(__file__).resolve().parent / "cells"
 pytestmark = pytest.mark.engine
 
 
-def _run(args: list[str], speculators: str) -> subprocess.CompletedProcess[str]:
+def _run_both(first: list[str], second: list[str], speculators: str) -> list[subprocess.CompletedProcess[str]]:
+    """Both commands at once, each in its own fresh interpreter (one core each, nothing timed)."""
     env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    procs = [
+        subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args in (first, second)
+    ]
+    done = []
+    for args, proc in zip((first, second), procs, strict=True):
+        stdout, stderr = proc.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    return done
 
 
 @pytest.mark.parametrize("speculators", TESTED_SPECULATORS)
 def test_doctor_compatible(speculators: str) -> None:
-    proc = _run(["-m", "spec_compat", "doctor", "--json"], speculators)
+    proc, table = _run_both(["-m", "spec_compat", "doctor", "--json"], ["-m", "spec_compat", "doctor"], speculators)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "compatible" and result["exit_code"] == 0
@@ -35,16 +44,15 @@ def test_doctor_compatible(speculators: str) -> None:
     if result["environment"]["platform"] == "cpu":  # the AMX check: None on a CPU without AMX, never an error
         amx = result["cpu_amx"]
         assert amx is None or ("error" not in amx and amx["probe"]["bare"] in ("runs", "traps", "no kernel")), amx
-    table = _run(["-m", "spec_compat", "doctor"], speculators)
     assert table.returncode == 0 and "verdict: compatible" in table.stdout
 
 
 def test_doctor_incompatible_matches_strict_apply() -> None:
-    proc = _run([str(CELLS / "doctor_fixture.py"), "doctor", "--json"], "0.4.0.1")
+    fixture = str(CELLS / "doctor_fixture.py")
+    proc, strict = _run_both([fixture, "doctor", "--json"], [fixture, "strict"], "0.4.0.1")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "incompatible"
     failed = [f for f in result["preflight"] if not f["ok"]]
     assert any("sample_tokens" in f["what"] for f in failed), failed
-    strict = _run([str(CELLS / "doctor_fixture.py"), "strict"], "0.4.0.1")
     assert strict.returncode == 1 and "IncompatibleError" in strict.stdout and "sample_tokens" in strict.stdout
