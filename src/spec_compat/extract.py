@@ -911,6 +911,9 @@ def run(config: ExtractConfig) -> int:
                 prepare_s += time.perf_counter() - prepare_started
                 if payloads:
                     writer.submit(payloads)
+                # the writer holds them now: each batch's states (the shared-memory segment they came in,
+                # with driver-states-handover) go as soon as its files are written, not after the next call
+                del payloads
                 if failed:
                     failures += len(failed)
                     writer.drain()
