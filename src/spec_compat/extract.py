@@ -452,12 +452,8 @@ def _write_direct(staged: Path, target: Path, sync: bool) -> str:
             with timed("extract:sha256"):
                 digest = hashlib.sha256(view[:size]).hexdigest()
             with timed("extract:write"):
-                try:
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                # direct_io_staging opened and wrote a file of this folder with O_DIRECT already
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
                 try:
                     _write_all(fd, view, padded)
                     os.ftruncate(fd, size)
