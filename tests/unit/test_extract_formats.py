@@ -190,3 +190,33 @@ def test_a_rerun_with_another_format_or_save_dtype_is_refused(tmp_path: Path) ->
         with pytest.raises(ValueError, match="use another --output"):
             Manifest(tmp_path, {**base, **change})
     Manifest(tmp_path, base)
+
+
+def test_extract_modules_import_only_modules_listed_before_them() -> None:
+    """The package docstring's order is a topological order of its imports: no import circle."""
+    import ast
+    import re
+
+    import spec_compat.extract as package
+
+    root = Path(package.__file__).parent
+    order = re.findall(r"^- ``(\w+)``", package.__doc__ or "", flags=re.M)
+    order += [m for line in (package.__doc__ or "").splitlines() if line.startswith("- ``replica``")
+              for m in re.findall(r"``(\w+)``", line)][1:]  # fmt: skip
+    modules = {p.stem: p for p in root.glob("*.py") if p.stem != "__init__"} | {"formats": root / "formats"}
+    assert sorted(set(order)) == sorted(modules), (order, sorted(modules))
+    for name, path in modules.items():
+        files = sorted(path.glob("*.py")) if path.is_dir() else [path]
+        imported: set[str] = set()
+        for file in files:
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = (node.module or "").split(".")[0]
+                    up = node.level - (1 if path.is_dir() else 0)  # formats/x.py: ".." is the package
+                    if up == 1 and base:
+                        imported.add(base)
+                    elif up == 1:
+                        imported.update(alias.name for alias in node.names)
+        imported &= set(modules) - {name}
+        later = [m for m in imported if order.index(m) > order.index(name)]
+        assert not later, f"{name} imports {later}, listed after it"

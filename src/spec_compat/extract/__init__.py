@@ -1,16 +1,22 @@
 """``spec-compat extract``: a dataset -> hidden-state training files, with the untouched generator.
 
-One module per concern, imported in this order (no module imports one listed after it):
+One module per concern, in an order no import goes against (a module imports only modules above it):
 
 - ``config``: the run's configuration, samples, bad lines and errors (imports nothing of extract);
 - ``conversations``: chat data through speculators' own preprocessing;
-- ``dataset``: the input read and checked before an engine loads (model facts, lines, layer ids);
 - ``files``: durable writing (temporary name, sha256, fsync, rename; O_DIRECT from /dev/shm);
+- ``fp8``: ``--save-dtype fp8`` (float8 states, per-token scales, their error);
+- ``formats``: the output layouts behind one interface (``formats/v1.py``, ``formats/hs.py``);
+- ``dataset``: the input read and checked before an engine loads (model facts, lines, layer ids);
 - ``manifest``: ``manifest.json`` (provenance, a sha256 per file, failures) and ``sample_lengths.json``;
 - ``batching``: batch planning, bad-sample isolation, the payloads, progress;
-- ``writer``: a sample's file and the background writer (writer threads, one recorder thread);
+- ``writer``: a sample's file, the background writer (writer threads, one recorder thread), adopting
+  files another process wrote;
 - ``signals``: SIGINT / SIGTERM handling;
-- ``single``: the single-process run; ``replica`` and ``distributed``: ``--replicas N`` over Ray.
+- ``single``: the single-process run;
+- ``replica``, ``slots``, ``distributed``: ``--replicas N`` over Ray.
+
+tests/unit/test_extract_formats.py checks that order (and so that no import circle exists).
 
 The default output layout (what speculators 0.3 / 0.4's training reads, ``Eagle3SampleFileDataset``):
 one ``data_{idx}.pt`` per sample holding ``input_ids`` [seq_len] long, ``hidden_states`` (a list of

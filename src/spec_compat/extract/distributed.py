@@ -35,7 +35,6 @@ import shutil
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +42,12 @@ from . import formats
 from .batching import plan_batches
 from .config import MANIFEST, STATS, ExtractConfig, ExtractError, Sample, WriteFailed
 from .dataset import checked_samples
-from .files import _write_json_atomic, fsync_directory
+from .files import _write_json_atomic
 from .manifest import Manifest, open_manifest, provenance
 from .replica import TMP_DIR, Replica, _one_line
 from .signals import SIGNALS, Interrupted
+from .slots import Slot, WorkItem, after_engine_death, cpu_binding, print_summary, progress_line, summary_rows
+from .writer import adopt_files, record_written
 
 POLL_S = 0.5  # ray.wait timeout: how often progress is redrawn and a signal is noticed
 SHUTDOWN_WAIT_S = 30.0  # replicas' engine shutdown at the end (an interrupted job: a third of it)
@@ -54,49 +55,8 @@ DEFAULT_MAX_RETRIES = 2
 NO_RAY = "--replicas needs Ray, which is not installed: pip install 'spec-compat[ray]' (or: pip install ray)"
 
 
-@dataclass
-class WorkItem:
-    id: int
-    samples: list[Sample]
-    tokens: int
-    deaths: int = 0  # engines that died while this batch was the one running
-    attempts: int = 0
-
-
-@dataclass
-class Slot:
-    """A replica's place in the job, across the actors that fill it (a restart is a new actor)."""
-
-    index: int
-    actor: Any = None
-    state: str = "starting"  # starting, ready, failed (start failed, not retried yet), retired
-    in_flight: dict[Any, WorkItem] = field(default_factory=dict)  # ObjectRef -> batch, oldest first
-    start_failures: int = 0  # in a row
-    restarts: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-    first_ready: float | None = None
-    batches: int = 0
-    samples: int = 0
-    tokens: int = 0
-    generate_s: float = 0.0
-    engine_start_s: list[float] = field(default_factory=list)
-    last_error: str | None = None
-
-
 def _absolute_if_local(model: str) -> str:
     return str(Path(model).resolve()) if Path(model).exists() else model
-
-
-def cpu_binding(slot: int, tp: int, replicas: int, cpus: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for one replica of a local CPU job: each of its TP ranks gets its
-    own share of the cores ("0-3|4-7"), replicas side by side (more ranks than cores share)."""
-    share = max(1, cpus // max(1, replicas * tp))
-    ranks = []
-    for rank in range(tp):
-        first = ((slot * tp + rank) * share) % cpus
-        last = min(first + share, cpus) - 1
-        ranks.append(str(first) if first == last else f"{first}-{last}")
-    return "|".join(ranks)
 
 
 class Job:
@@ -226,28 +186,15 @@ class Job:
         slot.restarts += 1
         slot.last_error = reason
         assert self.queue is not None
-        requeue: list[WorkItem] = []
-        for item in items:
-            if item is not culprit:
-                requeue.append(item)
-                continue
-            item.deaths += 1
-            if item.deaths <= self.max_retries:
-                requeue.append(item)
-            elif len(item.samples) > 1:  # one of its samples may take the engine down: halves, one attempt each
-                half = len(item.samples) // 2
-                for part in (item.samples[:half], item.samples[half:]):
-                    tokens = sum(min(len(s.input_ids), self.limit) for s in part)
-                    requeue.append(WorkItem(self.next_id, part, tokens, deaths=self.max_retries))
-                    self.next_id += 1
-            else:
-                sample = item.samples[0]
-                self.failures += 1
-                self.manifest.fail([sample.idx], f"an engine died while running it, {item.deaths} times: {reason}")
-                self.manifest.save(self.config.fsync)
-                _say(f"sample {sample.idx} failed: an engine died while running it, {item.deaths} times ({reason})")
-                if self.config.on_error == "stop":
-                    self.stopping = True
+        requeue, given_up, self.next_id = after_engine_death(items, culprit, self.max_retries, self.limit, self.next_id)
+        if given_up is not None:
+            sample = given_up.samples[0]
+            self.failures += 1
+            self.manifest.fail([sample.idx], f"an engine died while running it, {given_up.deaths} times: {reason}")
+            self.manifest.save(self.config.fsync)
+            _say(f"sample {sample.idx} failed: an engine died while running it, {given_up.deaths} times ({reason})")
+            if self.config.on_error == "stop":
+                self.stopping = True
         self.queue.extendleft(reversed(requeue))
         _say(
             f"replica {slot.index} lost ({reason}) while running batch {culprit.id} ({len(culprit.samples)} samples): "
@@ -289,34 +236,17 @@ class Job:
         self.record(slot, item, result)
 
     def record(self, slot: Slot, item: WorkItem, result: dict[str, Any]) -> None:
-        output, listed = self.config.output, self.manifest.data["samples"]
-        renamed: list[tuple[int, str, int, str, dict[str, Any] | None]] = []
         rows = {sample.idx: sample.row for sample in item.samples}
-        for idx, tmp, tokens, digest, size, *extra in result["written"]:
-            path = output / tmp
-            if str(idx) in listed:  # a duplicate (cannot happen with one queue; kept exactly once regardless)
-                path.unlink(missing_ok=True)
-                continue
-            try:
-                seen = path.stat().st_size
-            except FileNotFoundError:
-                raise ExtractError(
-                    f"replica {slot.index} on {slot.info.get('host')} wrote {path}, which this machine cannot see: "
-                    "--output must be a directory every node shares"
-                ) from None
-            if seen != size:
-                raise WriteFailed(f"{path}: replica {slot.index} wrote {size} bytes, {seen} are on the disk")
-            name = self.fmt.file_name(idx, rows.get(idx))
-            os.replace(path, output / name)
-            renamed.append((idx, name, tokens, digest, extra[0] if extra else None))
-            self.bytes += size
-        if renamed and self.config.fsync:  # the renames, before the manifest names the files
-            for folder in sorted({(output / name).parent for _, name, *_ in renamed}):
-                fsync_directory(folder)
-        if result["written"]:
-            shutil.rmtree(output / Path(result["written"][0][1]).parent, ignore_errors=True)
-        for idx, name, tokens, digest, extra_fields in renamed:
-            self.manifest.record(idx, name, tokens, digest, extra_fields)
+        adopted = adopt_files(
+            self.config.output,
+            result["written"],
+            self.manifest.data["samples"],
+            lambda idx: self.fmt.file_name(idx, rows.get(idx)),
+            f"replica {slot.index}",
+            str(slot.info.get("host")),
+        )
+        record_written(self.manifest, self.config.output, adopted, self.config.fsync)
+        self.bytes += sum(saved.size for _, _, saved in adopted)
         for idx, detail in result["failed"]:
             self.failures += 1
             self.manifest.fail([idx], detail)
@@ -325,7 +255,7 @@ class Job:
                 self.stopping = True
         self.manifest.save(self.config.fsync)
         slot.batches += 1
-        slot.samples += len(renamed)
+        slot.samples += len(adopted)
         slot.tokens += item.tokens
         slot.generate_s += result["generate_s"]
         self.done_samples += len(item.samples)
@@ -333,21 +263,8 @@ class Job:
         self.progress()
 
     def progress(self) -> None:
-        now = time.perf_counter()
-        elapsed = max(now - (self.started or now), 1e-9)
-        rate = self.done_tokens / elapsed
-        eta = (self.total_tokens - self.done_tokens) / rate if rate > 0 else float("inf")
-        width = 30
-        filled = int(width * self.done_samples / max(self.total_samples, 1))
-        per = " ".join(
-            f"r{s.index} {s.samples} ({s.tokens / max(now - s.first_ready, 1e-9):,.0f} tok/s)"
-            for s in self.slots
-            if s.first_ready is not None
-        )
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done_samples}/{self.total_samples} samples "
-            f"{rate:,.0f} tok/s ETA {eta:,.0f}s | {per}   "
-        )
+        sys.stderr.write(progress_line(self.slots, self.done_samples, self.total_samples, self.done_tokens,
+                                       self.total_tokens, self.started))  # fmt: skip
         sys.stderr.flush()
 
     # --- the loop --------------------------------------------------------------------------
@@ -389,28 +306,7 @@ class Job:
             self._kill(slot)
 
     def summary(self) -> list[dict[str, Any]]:
-        now = self.finished or time.perf_counter()
-        rows = []
-        for s in self.slots:
-            busy = now - s.first_ready if s.first_ready is not None else 0.0
-            rows.append(
-                {
-                    "replica": s.index,
-                    "host": s.info.get("host"),
-                    "gpus": s.info.get("gpus"),
-                    "cpu_bind": s.info.get("cpu_bind"),
-                    "batches": s.batches,
-                    "samples": s.samples,
-                    "tokens": s.tokens,
-                    "tokens_per_s": s.tokens / busy if busy > 0 else None,
-                    "generate_s": s.generate_s,
-                    "engine_start_s": s.engine_start_s,
-                    "restarts": s.restarts,
-                    "state": s.state,
-                    "last_error": s.last_error,
-                }
-            )
-        return rows
+        return summary_rows(self.slots, self.finished or time.perf_counter())
 
 
 class ReplicasLost(WriteFailed):
@@ -487,19 +383,7 @@ def run_distributed(
     assert job is not None
     extract_s = (job.finished or time.perf_counter()) - job.started if job.started is not None else 0.0
     rows = job.summary()
-    for row in rows:
-        restarts = f", {row['restarts']} restart(s) (last: {row['last_error']})" if row["restarts"] else ""
-        if not row["engine_start_s"]:
-            why = row["last_error"] or "still starting when the work ran out"
-            print(f"spec-compat extract: replica {row['replica']}: ran no batch ({why}){restarts}", file=sys.stderr)
-            continue
-        starts = ", ".join(f"{s:.1f}" for s in row["engine_start_s"])
-        print(
-            f"spec-compat extract: replica {row['replica']} ({row['host']}): {row['batches']} batches, "
-            f"{row['samples']} samples, {row['tokens']:,} tokens, {row['tokens_per_s'] or 0:,.0f} tok/s "
-            f"(generating {row['generate_s']:.1f} s), engine start {starts} s{restarts}",
-            file=sys.stderr,
-        )
+    print_summary(rows)
     if interrupted is not None:
         print(
             f"spec-compat extract: interrupted by {interrupted.args[0]}: {len(manifest.data['samples'])} sample(s) "

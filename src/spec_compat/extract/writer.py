@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ..timing import timed
+from .config import ExtractError, WriteFailed
 from .files import Saved, _write_then_rename, fsync_directory, write_file
 from .formats import Format
 from .formats.v1 import SpeculatorsV1
@@ -47,6 +51,51 @@ def write_in_format(
 ) -> Saved:  # fmt: skip
     """One sample's file in ``fmt`` (its ``save`` on this thread), through ``write_file``."""
     return write_file(output, name, tmp_name, payload, fmt.save, fmt.save_label, sync, rename, staging)
+
+
+def record_written(manifest: Manifest, output: Path, written: list[tuple[int, str, Saved]], sync: bool) -> None:
+    """List complete files in the manifest (not saved yet): with ``sync`` their folders are fsync'd
+    first, so the renames are on the disk before the manifest names the files."""
+    if sync:
+        for folder in sorted({(output / name).parent for _, name, _ in written}):
+            fsync_directory(folder)
+    for idx, name, saved in written:
+        manifest.record(idx, name, saved.tokens, saved.sha256, saved.extra)
+
+
+def adopt_files(
+    output: Path,
+    written: list[tuple[Any, ...]],
+    listed: dict[str, Any],
+    name_of: Callable[[int], str],
+    who: str,
+    host: str,
+) -> list[tuple[int, str, Saved]]:
+    """Give the files another process wrote under temporary names (``written``: (idx, temporary
+    name, tokens, sha256, size[, extra])) their final names, each after checking that the file seen
+    here has the size written there; a sample already ``listed`` keeps its file (exactly once). The
+    temporary files' folder is removed."""
+    adopted: list[tuple[int, str, Saved]] = []
+    for idx, tmp, tokens, digest, size, *extra in written:
+        path = output / tmp
+        if str(idx) in listed:  # a duplicate (cannot happen with one queue; kept exactly once regardless)
+            path.unlink(missing_ok=True)
+            continue
+        try:
+            seen = path.stat().st_size
+        except FileNotFoundError:
+            raise ExtractError(
+                f"{who} on {host} wrote {path}, which this machine cannot see: "
+                "--output must be a directory every node shares"
+            ) from None
+        if seen != size:
+            raise WriteFailed(f"{path}: {who} wrote {size} bytes, {seen} are on the disk")
+        name = name_of(idx)
+        os.replace(path, output / name)
+        adopted.append((idx, name, Saved(tokens, digest, size, extra[0] if extra else None)))
+    if written:
+        shutil.rmtree(output / Path(written[0][1]).parent, ignore_errors=True)
+    return adopted
 
 
 class BackgroundWriter:
@@ -110,11 +159,7 @@ class BackgroundWriter:
                 failure = failure or exc
         if written:
             with timed("extract:record"):
-                if self.sync:  # the renames, before the manifest names the files
-                    for folder in sorted({(self.output / name).parent for _, name, _ in written}):
-                        fsync_directory(folder)
-                for idx, name, saved in written:
-                    self.manifest.record(idx, name, saved.tokens, saved.sha256, saved.extra)
+                record_written(self.manifest, self.output, written, self.sync)
                 self.manifest.save(self.sync)
             self.written_samples += len(written)
             self.written_bytes += sum(saved.size for _, _, saved in written)
