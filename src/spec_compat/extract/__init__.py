@@ -59,7 +59,7 @@ from .files import (
 from .manifest import Manifest, open_manifest, provenance
 from .signals import Interrupted
 from .single import run
-from .writer import BackgroundWriter, sample_file_name, write_sample, write_sample_unrenamed
+from .writer import BackgroundWriter, sample_file_name, write_sample
 
 __all__ = [
     "DIRECT_ALIGN",
@@ -98,5 +98,4 @@ __all__ = [
     "sample_payloads",
     "sha256_of",
     "write_sample",
-    "write_sample_unrenamed",
 ]

@@ -37,14 +37,6 @@ def sample_file_name(idx: int) -> str:
     return SpeculatorsV1().file_name(idx, None)
 
 
-def write_sample_unrenamed(
-    output: Path, idx: int, payload: dict[str, Any], tmp_name: str, sync: bool = True, staging: Path | None = None
-) -> tuple[int, str]:
-    """As write_sample, but the file stays under ``tmp_name`` (whoever records it renames it);
-    returns (tokens, sha256)."""
-    return _write_then_rename(output, sample_file_name(idx), tmp_name, payload, sync, rename=False, staging=staging)
-
-
 def write_in_format(
     fmt: Format, output: Path, name: str, tmp_name: str, payload: dict[str, Any], sync: bool, rename: bool,
     staging: Path | None,
