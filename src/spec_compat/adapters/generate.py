@@ -16,7 +16,7 @@ from typing import Any
 
 import wrapt
 
-from ..contract import check_results
+from ..contract import check_results, int64_key, known_input_keys
 from ..errors import IncompatibleError
 from ..options import Context
 from ..patching import AdapterPatcher
@@ -86,6 +86,13 @@ def _vocab_size(generator: Any) -> int | None:
 
 def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int]]:
     """The batch as lists of ints, or a ValueError/TypeError that names the bad element."""
+    return validated_rows(token_ids, vocab_size)[0]
+
+
+def validated_rows(token_ids: Any, vocab_size: int | None) -> tuple[list[list[int]], list[bytes | None]]:
+    """The batch as lists of ints and each list's int64 bytes (None where a row took the slow path),
+    or a ValueError/TypeError that names the bad element."""
+    import numpy as np
     import torch
 
     if isinstance(token_ids, torch.Tensor):
@@ -103,6 +110,7 @@ def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int
     if not rows:
         raise ValueError("token_ids is empty: pass at least one sequence")
     batch: list[list[int]] = []
+    keys: list[bytes | None] = []
     for i, row in enumerate(rows):
         if isinstance(row, torch.Tensor):
             if row.ndim != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
@@ -112,16 +120,25 @@ def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int
             raise TypeError(f"token_ids[{i}] must be a sequence of ints, got {type(row).__name__}")
         if len(row) == 0:
             raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
-        if set(map(type, row)) == {int} and min(row) >= 0 and (vocab_size is None or max(row) < vocab_size):
-            batch.append(list(row))  # the common case, checked in C loops; the loop below names a bad token
-            continue
+        if set(map(type, row)) == {int}:  # the common case, checked in C loops (bool is a type of its own)
+            try:
+                key = array("q", row)
+            except OverflowError:
+                key = None  # beyond int64: the loop below names it
+            if key is not None:
+                values = np.frombuffer(key, dtype=np.int64)
+                if values.min() >= 0 and (vocab_size is None or values.max() < vocab_size):
+                    batch.append(list(row))
+                    keys.append(key.tobytes())
+                    continue
         for j, token in enumerate(row):
             if isinstance(token, bool) or not isinstance(token, int):
                 raise TypeError(f"token_ids[{i}][{j}] = {token!r} is not an int")
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise ValueError(f"token_ids[{i}][{j}] = {token} is outside the vocabulary [0, {vocab_size})")
         batch.append(list(row))
-    return batch
+        keys.append(None)
+    return batch, keys
 
 
 def _max_prompt_len(generator: Any) -> int:
@@ -129,9 +146,10 @@ def _max_prompt_len(generator: Any) -> int:
 
 
 def _as_run(generator: Any, token_ids: Sequence[Any]) -> list[list[int]]:
-    """The inputs as speculators runs them: each cut to max_model_len - 1 tokens."""
+    """The inputs as speculators runs them: each cut to max_model_len - 1 tokens (a list that fits is
+    passed on as it is, read only, so its int64 key from input-validation is found again)."""
     limit = _max_prompt_len(generator)
-    return [list(ids)[:limit] for ids in token_ids]
+    return [ids if type(ids) is list and len(ids) <= limit else list(ids)[:limit] for ids in token_ids]
 
 
 def _refuse_unschedulable(generator: Any, lengths: list[int]) -> None:
@@ -158,7 +176,7 @@ def probe_input_validation(ctx: Context) -> Probe:
 
 def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
     def validated(generator: Any, token_ids: Any, run: Run) -> Any:
-        batch = normalise_token_ids(token_ids, _vocab_size(generator))
+        batch, keys = validated_rows(token_ids, _vocab_size(generator))
         limit = _max_prompt_len(generator)
         _refuse_unschedulable(generator, [min(len(ids), limit) for ids in batch])
         too_long = [i for i, ids in enumerate(batch) if len(ids) > limit]
@@ -168,7 +186,8 @@ def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
                 f"max_model_len - 1 = {limit} tokens and are truncated to it, as speculators does",
                 stacklevel=2,
             )
-        return run(batch)
+        with known_input_keys(batch, keys):
+            return run(batch)
 
     wrap_generate(ctx, patcher, validated)
 
@@ -303,23 +322,14 @@ def probe_input_order(ctx: Context) -> Probe:
     return Probe(False, "generate() returns results in input order")
 
 
-def _ids_key(ids: Any) -> bytes:
-    """The token ids as int64 bytes: an exact key that hashes and compares in C."""
-    import torch
-
-    if isinstance(ids, torch.Tensor):
-        return bytes(ids.to(torch.int64).contiguous().numpy().tobytes())
-    return array("q", ids).tobytes()
-
-
 def reorder_to_inputs(results: list[Any], inputs: list[list[int]]) -> list[Any]:
     """Put results back in input order by their input_ids (equal inputs are interchangeable)."""
     by_ids: defaultdict[bytes, deque[Any]] = defaultdict(deque)
     for result in results:
-        by_ids[_ids_key(result["input_ids"])].append(result)
+        by_ids[int64_key(result["input_ids"])].append(result)
     ordered = []
     for ids in inputs:
-        queue = by_ids.get(_ids_key(ids))
+        queue = by_ids.get(int64_key(ids))
         if not queue:
             return results  # leave it to the contract check to say what is wrong
         ordered.append(queue.popleft())
@@ -444,7 +454,8 @@ def plan_single_step_batches(
     return batches
 
 
-def _verify_single_step(executor: Any, request_lengths: list[int], steps_before: int) -> None:
+def _verify_single_step(executor: Any, request_lengths: list[int], steps_before: int) -> list[str]:
+    """The request ids of the one scheduler step the sub-batch ran in, in scheduled order."""
     steps = executor.step_log[steps_before:]
     ran = [step for step in steps if step]
     if len(ran) != 1:
@@ -455,6 +466,7 @@ def _verify_single_step(executor: Any, request_lengths: list[int], steps_before:
             f"scheduler step did not prefill the sub-batch whole and in order: expected token counts "
             f"{request_lengths}, scheduled {scheduled}"
         )
+    return [req_id for req_id, _ in ran[0]]
 
 
 def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
@@ -472,15 +484,21 @@ def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
             block_size=block_size,
         )
 
+        step_orders: list[list[str]] = []  # the request order of each sub-batch's one step
+
         def run_verified(sub_batch: list[list[int]]) -> Any:
             steps_before = len(getattr(generator.executor, "step_log", []))
             results = run(sub_batch)
             if hasattr(generator.executor, "step_log"):
-                _verify_single_step(generator.executor, [len(ids) for ids in sub_batch], steps_before)
-            _verify_worker_order(generator)
+                lengths = [len(ids) for ids in sub_batch]
+                step_orders.append(_verify_single_step(generator.executor, lengths, steps_before))
             return results
 
-        return run_in_parts(run_verified, ([batch[i] for i in indices] for indices in plan))
+        results = run_in_parts(run_verified, ([batch[i] for i in indices] for indices in plan))
+        # Once per call, not per sub-batch: one RPC for the worker's log of every step (a chat call
+        # of 64 prompts runs 8+ sub-batches); nothing is returned before it is checked.
+        _verify_worker_order(generator, step_orders)
+        return results
 
     wrap_generate(ctx, patcher, in_single_steps)
 
@@ -502,24 +520,28 @@ SINGLE_STEP_BATCHES = Adapter(
 )
 
 
-def _verify_worker_order(generator: Any) -> None:
-    """The worker's batch order for each capture must be the scheduler's (input) order."""
+def _verify_worker_order(generator: Any, step_orders: list[list[str]]) -> None:
+    """The worker's batch order for each capture must be the scheduler's (input) order of its step:
+    every capture the worker logged, in turn, one of ``step_orders`` at or after the previous one's."""
     try:
         logs = generator.executor.collective_rpc("_spec_compat_take_batch_log")
     except Exception:  # noqa: BLE001 - the worker adapter is not there: nothing to compare
         return
     log = logs[0] if isinstance(logs, list) and logs else None
-    if not log:
+    if not log or not step_orders:
         return
-    steps = generator.executor.step_log
-    expected = [req_id for req_id, _ in steps[-1]] if steps else None
+    position = 0
     for worker_order in log:
-        if not worker_order:
+        order = [r for r in worker_order if r is not None]
+        if not order:
             continue  # a dummy/profile forward (vLLM's warm-up on GPU) carries no request
-        if expected is not None and [r for r in worker_order if r is not None] != expected:
+        while position < len(step_orders) and step_orders[position] != order:
+            position += 1
+        if position == len(step_orders):
             raise IncompatibleError(
-                f"the worker batched requests in order {worker_order}, the scheduler in {expected}: "
-                "speculators 0.3.0 would slice states of the wrong requests"
+                f"the worker batched requests in order {worker_order}, the scheduler in "
+                f"{step_orders if len(step_orders) > 1 else step_orders[0]}: speculators 0.3.0 would slice "
+                "states of the wrong requests"
             )
 
 
