@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine_harness import CellPool, cells_read_by, require_speculators
+from engine_harness import CellPool, jobs_read_by, require_speculators
 
 EngineEnv = Callable[[str, str], dict[str, str]]
 POOL = pytest.StashKey[CellPool]()
@@ -33,10 +33,11 @@ def engine_env() -> EngineEnv:
 
 
 @pytest.fixture(scope="session")
-def engine_cells(request: pytest.FixtureRequest) -> Iterator[CellPool]:
-    """The engine cells (tests/cells/engine_cell.py) every collected test reads (its ``Cell``
-    parameters), each run once, in the background from the first test that asks (CellPool)."""
-    pool = CellPool(cells_read_by(request.session.items))
+def engine_cells(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CellPool]:
+    """The jobs every collected test reads (engine cells, tests/cells/engine_cell.py, and the other
+    runs of ``Job`` parameters and ``reads`` marks), each run once, in the background from the first
+    test that asks (CellPool)."""
+    pool = CellPool(jobs_read_by(request.session.items), tmp_path_factory.mktemp("pool"))
     request.config.stash[POOL] = pool
     yield pool
     pool.stop()
@@ -44,7 +45,7 @@ def engine_cells(request: pytest.FixtureRequest) -> Iterator[CellPool]:
 
 @pytest.fixture(scope="module", autouse=True)
 def no_cell_beyond_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The module that started the engine cells waits at its end until all of them have run, so no
+    """The module that started the pool waits at its end until all of its jobs have run, so no
     engine runs in the background of a later module's timing-sensitive tests (faults, hangs, signals)."""
     yield
     pool = request.config.stash.get(POOL, None)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import pytest
 from shared_constants import LAYER_IDS as SHARED_LAYER_IDS
@@ -34,6 +34,26 @@ PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 33, 40, 48, 57, 64, 80, 97, 120, 150]
 # and AMX_MLA takes bfloat16 only: these float32 cells would die at worker start. Asking for CPU_MLA on
 # every CPU keeps one path (block size 16, chunked prefill off) whatever the host's ISA.
 REFERENCE_MLA_BACKEND = "CPU_MLA"
+
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+@runtime_checkable
+class Job(Protocol[T_co]):
+    """One run of the session's pool (CellPool): a test parameter, or named by a ``reads`` mark for a
+    fixture, hashable (one run however many tests read it). ``cores``: 1 runs beside another one-core
+    job, 2 alone. ``run(work, core)`` in its own empty directory ``work``; ``core``: the core its
+    vLLM threads bind to ("0" or "1"; None for a two-core job)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def cores(self) -> int: ...
+
+    def run(self, work: Path, core: str | None) -> T_co: ...
 
 
 def speculators_installs() -> dict[str, Path]:
@@ -66,6 +86,9 @@ def big_batch() -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 24))] for _ in range(40)]
 
 
+CellResult = tuple[dict[str, Any] | None, str]
+
+
 @dataclass(frozen=True)
 class Cell:
     speculators: str
@@ -85,12 +108,25 @@ class Cell:
         extra += "".join(f"-{key}={value}" for key, value in self.env)
         return f"spec{self.speculators}-{self.family}-tp{self.tp}-{self.method}{extra}"
 
+    @property
+    def cores(self) -> int:
+        return self.tp  # a TP=1 engine keeps about one core busy, each TP rank one
+
+    def run(self, work: Path, core: str | None) -> CellResult:
+        return run_cell(self, work, core)
+
+
+# The pool's jobs build models from two threads of this process: a build's temporary folder is named
+# after the process, so two builds at once would share it.
+BUILD_LOCK = threading.Lock()
+
 
 def model_dir(family: str) -> Path:
     sys.path.insert(0, str(HERE))
     from tiny_models import build_model
 
-    return build_model(family, CACHE / "models" / family)
+    with BUILD_LOCK:
+        return build_model(family, CACHE / "models" / family)
 
 
 def uses_mla(model: Path) -> bool:
@@ -113,17 +149,12 @@ def attention_env(model: Path) -> dict[str, str]:
     return {ATTENTION_BACKEND_ENV: REFERENCE_MLA_BACKEND}
 
 
-CellResult = tuple[dict[str, Any] | None, str]
-
-
-def run_cell(cell: Cell, cores: str | None = None) -> CellResult:
-    """Run one engine cell in a fresh interpreter; (record or None, combined output tail). ``cores``:
-    vLLM's OpenMP threads bind ("0|1" at TP=2 and "0" at TP=1 unless given)."""
+def run_cell(cell: Cell, work: Path, cores: str | None = None) -> CellResult:
+    """Run one engine cell in a fresh interpreter, its files in ``work``; (record or None, combined
+    output tail). ``cores``: vLLM's OpenMP threads bind ("0|1" at TP=2 and "0" at TP=1 unless given)."""
     import torch
 
     speculators_dir = require_speculators(cell.speculators)
-    work = CACHE / "cells"
-    work.mkdir(parents=True, exist_ok=True)
     all_prompts = prompts()
     spec: dict[str, Any] = {
         "model": str(model_dir(cell.family)),
@@ -169,69 +200,74 @@ def run_cell(cell: Cell, cores: str | None = None) -> CellResult:
 
 
 class CellPool:
-    """Engine cells run once per session, ahead of the tests that read them, in background threads:
-    the TP=1 cells two at a time, each on its own core (a TP=1 engine keeps about one core busy), then
-    the TP=2 cells one at a time (their two ranks take both cores; a process beside them slows their
-    collective calls several fold). ``result(cell)`` waits for that cell's ``run_cell``."""
+    """The session's jobs (engine cells and the other runs tests only read), each run once, ahead of
+    the tests that read them, in background threads: the one-core jobs two at a time, each on its
+    own core, then the two-core jobs one at a time (their two ranks take both cores; a process beside
+    them slows their collective calls several fold). ``result(job)`` waits for that job's run."""
 
-    def __init__(self, cells: Iterable[Cell]) -> None:
-        ordered = list(dict.fromkeys(cells))
-        self._results: dict[Cell, Future[CellResult]] = {cell: Future() for cell in ordered}
+    def __init__(self, jobs: Iterable[Job[Any]], work: Path) -> None:
+        ordered = list(dict.fromkeys(jobs))
+        self._work = work
+        self._results: dict[Job[Any], Future[Any]] = {job: Future() for job in ordered}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run_all, args=(ordered,), name="cell-pool", daemon=True)
         self._thread.start()
 
-    def result(self, cell: Cell) -> CellResult:
-        if cell not in self._results:
-            raise KeyError(f"{cell.name} is not among the cells this session's tests read (cells_read_by)")
-        return self._results[cell].result()
+    def result(self, job: Job[T]) -> T:
+        if job not in self._results:
+            raise KeyError(f"{job.name} is not among the jobs this session's tests read (jobs_read_by)")
+        result: T = self._results[job].result()
+        return result
 
     def wait(self) -> None:
-        """Return once every cell has run (no engine left running in the background)."""
+        """Return once every job has run (no engine left running in the background)."""
         self._thread.join()
 
     def stop(self) -> None:
-        """Start no more cells, and wait for the running ones."""
+        """Start no more jobs, and wait for the running ones."""
         self._stopping.set()
         self._thread.join()
 
-    def _run_all(self, cells: list[Cell]) -> None:
+    def _run_all(self, jobs: list[Job[Any]]) -> None:
         free_cores: queue.SimpleQueue[str] = queue.SimpleQueue()
         for core in ("0", "1"):
             free_cores.put(core)
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cell") as pair:
-            for cell in cells:
-                if cell.tp == 1:
-                    pair.submit(self._run_on_a_free_core, cell, free_cores)
-        for cell in cells:
-            if cell.tp > 1:
-                self._run(cell, None)
+            for job in jobs:
+                if job.cores == 1:
+                    pair.submit(self._run_on_a_free_core, job, free_cores)
+        for job in jobs:
+            if job.cores > 1:
+                self._run(job, None)
 
-    def _run_on_a_free_core(self, cell: Cell, free_cores: queue.SimpleQueue[str]) -> None:
+    def _run_on_a_free_core(self, job: Job[Any], free_cores: queue.SimpleQueue[str]) -> None:
         core = free_cores.get()
         try:
-            self._run(cell, core)
+            self._run(job, core)
         finally:
             free_cores.put(core)
 
-    def _run(self, cell: Cell, cores: str | None) -> None:
+    def _run(self, job: Job[Any], core: str | None) -> None:
         if self._stopping.is_set():
-            self._results[cell].set_exception(RuntimeError(f"{cell.name} not run: the session is stopping"))
+            self._results[job].set_exception(RuntimeError(f"{job.name} not run: the session is stopping"))
             return
         try:
-            self._results[cell].set_result(run_cell(cell, cores))
+            work = self._work / job.name
+            work.mkdir(parents=True)
+            self._results[job].set_result(job.run(work, core))
         except BaseException as exc:  # noqa: BLE001 - pytest's skip / fail too: re-raised in the test
-            self._results[cell].set_exception(exc)
+            self._results[job].set_exception(exc)
 
 
-def cells_read_by(items: Iterable[pytest.Item]) -> list[Cell]:
-    """The cells the collected tests read: every ``Cell`` among their parameters, in test order."""
-    return [
-        value
-        for item in items
-        for value in getattr(getattr(item, "callspec", None), "params", {}).values()
-        if isinstance(value, Cell)
-    ]
+def jobs_read_by(items: Iterable[pytest.Item]) -> list[Job[Any]]:
+    """The jobs the collected tests read, in test order: every ``Job`` among their parameters and in
+    their ``reads`` marks (``@pytest.mark.reads(job, ...)``: the jobs a fixture of theirs reads)."""
+    jobs: list[Job[Any]] = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        jobs += [value for value in params.values() if isinstance(value, Job)]
+        jobs += [job for mark in item.iter_markers("reads") for job in mark.args]
+    return jobs
 
 
 def record_figure(name: str, values: dict[str, Any]) -> None:

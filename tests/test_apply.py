@@ -6,24 +6,40 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from shared_constants import TESTED_SPECULATORS
 
-from engine_harness import require_speculators
+from engine_harness import CellPool, require_speculators
 
 CELLS = Path(__file__).resolve().parent / "cells"
 # Not an engine, but a fresh interpreter importing vLLM per speculators version: slow, kept out of -m "not engine".
 pytestmark = pytest.mark.engine
 
 
-@pytest.mark.parametrize("speculators", TESTED_SPECULATORS)
-def test_apply_revert_plan(speculators: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(require_speculators(speculators)))
-    proc = subprocess.run(
-        [sys.executable, str(CELLS / "apply_checks.py")], env=env, capture_output=True, text=True, timeout=600
-    )
+@dataclass(frozen=True)
+class ApplyChecks:
+    """apply_checks.py in a fresh interpreter with one speculators install (a pool job: one core)."""
+
+    speculators: str
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"apply-checks-spec{self.speculators}"
+
+    def run(self, work: Path, core: str | None) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, PYTHONPATH=str(require_speculators(self.speculators)))
+        command = [sys.executable, str(CELLS / "apply_checks.py")]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("job", [ApplyChecks(s) for s in TESTED_SPECULATORS], ids=TESTED_SPECULATORS)
+def test_apply_revert_plan(job: ApplyChecks, engine_cells: CellPool) -> None:
+    speculators = job.speculators
+    proc = engine_cells.result(job)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["plan_left_torch_alias"] is False

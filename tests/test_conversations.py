@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from shared_constants import LAYER_IDS
 from shared_constants import MAX_MODEL_LEN as SHARED_MAX_MODEL_LEN
 
-from engine_harness import CACHE, model_dir, require_speculators
+from engine_harness import BUILD_LOCK, CACHE, CellPool, model_dir, require_speculators
 from tiny_models import CHAT_TEMPLATE, CHAT_TEMPLATE_PLAIN, build_chat_model, hf_layer_outputs
 
 CELLS = Path(__file__).resolve().parent / "cells"
@@ -36,7 +37,9 @@ BAD_LINES = {
 
 def chat_model(template: str) -> Path:
     name = "dense-chat" if template == CHAT_TEMPLATE else "dense-chat-plain"
-    return build_chat_model(model_dir("dense"), CACHE / "models" / name, template)
+    base = model_dir("dense")
+    with BUILD_LOCK:  # the pool's jobs call this from two threads
+        return build_chat_model(base, CACHE / "models" / name, template)
 
 
 def _conversation(rng: random.Random, long: bool = False) -> list[dict[str, str]]:
@@ -113,17 +116,51 @@ def run_cell(tmp: Path, speculators: Path | None, **spec: Any) -> dict[str, Any]
     return run_cells((tmp, speculators, spec))[0]
 
 
-@pytest.mark.parametrize(
-    ("version", "template"),
-    [("0.4.0.1", CHAT_TEMPLATE), ("0.4.0.1", CHAT_TEMPLATE_PLAIN), ("0.3.0", CHAT_TEMPLATE)],
-    ids=["spec0.4.0.1-hf-mask", "spec0.4.0.1-regex", "spec0.3.0-regex"],
-)
-def test_samples_equal_speculators_preprocessing(version: str, template: str, tmp_path: Path) -> None:
-    data, clean = sharegpt_file(tmp_path / "chat.jsonl", 16, BAD_LINES)
-    result = run_cell(
-        tmp_path, require_speculators(version), model=str(chat_model(template)), input=str(data),
-        reference=str(clean), seed=5, shards=[[0, 1], [1, 2]],
-    )  # fmt: skip
+@dataclass(frozen=True)
+class Preprocess:
+    """conversations_cell.py on a ShareGPT file of ``count`` conversations, ``bad``: (line, the
+    BAD_LINES entry written there), with ``speculators`` and ``template``'s chat model, in the job's
+    directory (a pool job: one core); ``reference``: speculators' preprocessing of the good lines too."""
+
+    label: str
+    speculators: str
+    template: str
+    count: int
+    bad: tuple[tuple[int, int], ...]
+    reference: bool = False
+    seed: int = 0
+    shards: tuple[tuple[int, int], ...] = ((0, 1),)
+    on_error: str = "skip"
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"preprocess-{self.label}"
+
+    def run(self, work: Path, core: str | None) -> dict[str, Any]:
+        data, clean = sharegpt_file(work / "chat.jsonl", self.count, {line: BAD_LINES[k] for line, k in self.bad})
+        spec: dict[str, Any] = {"model": str(chat_model(self.template)), "input": str(data), "seed": self.seed}
+        spec |= {"shards": [list(shard) for shard in self.shards], "on_error": self.on_error}
+        if self.reference:
+            spec["reference"] = str(clean)
+        return run_cell(work, require_speculators(self.speculators), **spec)
+
+
+EVERY_BAD_LINE = tuple((line, line) for line in BAD_LINES)
+PREPROCESSING = [
+    Preprocess(f"spec{version}-{kind}", version, template, 16, EVERY_BAD_LINE, True, 5, ((0, 1), (1, 2)))
+    for version, template, kind in [
+        ("0.4.0.1", CHAT_TEMPLATE, "hf-mask"),
+        ("0.4.0.1", CHAT_TEMPLATE_PLAIN, "regex"),
+        ("0.3.0", CHAT_TEMPLATE, "regex"),
+    ]
+]
+
+
+@pytest.mark.parametrize("job", PREPROCESSING, ids=[job.label for job in PREPROCESSING])
+def test_samples_equal_speculators_preprocessing(job: Preprocess, engine_cells: CellPool) -> None:
+    version, template = job.speculators, job.template
+    result = engine_cells.result(job)
     reference = result["reference"]
     whole = result["runs"]["0/1"]
     assert len(reference) == 16
@@ -179,11 +216,13 @@ def test_openai_messages_equal_sharegpt(tmp_path: Path) -> None:
     assert openai == sharegpt and len(openai["samples"]) == 8
 
 
-def test_bad_input_leaves_nothing_behind(tmp_path: Path) -> None:
+BAD_INPUT = Preprocess("bad-input-stop", "0.4.0.1", CHAT_TEMPLATE, 4, ((2, 3),), on_error="stop")
+
+
+@pytest.mark.parametrize("job", [BAD_INPUT], ids=["stop"])
+def test_bad_input_leaves_nothing_behind(job: Preprocess, engine_cells: CellPool) -> None:
     """With bad lines and ``--on-error stop`` extract writes nothing: nor does the preprocessing."""
-    data, _ = sharegpt_file(tmp_path / "chat.jsonl", 4, {2: BAD_LINES[3]})
-    speculators = require_speculators("0.4.0.1")
-    result = run_cell(tmp_path, speculators, model=str(chat_model(CHAT_TEMPLATE)), input=str(data), on_error="stop")
+    result = engine_cells.result(job)
     assert result["runs"]["0/1"]["bad"][0][0] == 2 and len(result["runs"]["0/1"]["samples"]) == 4
     assert result["output_exists"] is False and result["cwd_files"] == []
 
@@ -205,28 +244,62 @@ def test_unusable_speculators_is_one_line_value_error(tmp_path: Path) -> None:
         assert "\n" not in error
 
 
+@dataclass
+class ConversationsExtracted:
+    reference: list[list[list[int]]]  # speculators' preprocessing of the good lines: [input_ids, loss_mask]
+    proc: subprocess.CompletedProcess[str]
+    out: Path
+    cwd: Path
+
+
+@dataclass(frozen=True)
+class ConversationsExtract:
+    """speculators' preprocessing of a ShareGPT file's good lines (conversations_cell.py), then
+    ``spec-compat extract --conversations`` of the file with a bad line 3, ``--on-error skip``, in
+    ``format`` (its save dtype float32), in the job's directory (a pool job: one core)."""
+
+    format: str
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"extract-conversations-{self.format}"
+
+    def run(self, work: Path, core: str | None) -> ConversationsExtracted:
+        speculators = require_speculators("0.4.0.1")
+        model = chat_model(CHAT_TEMPLATE_PLAIN)
+        data, clean = sharegpt_file(work / "chat.jsonl", 6, {3: BAD_LINES[3]})
+        reference = run_cell(
+            work / "ref", speculators, model=str(model), input=str(clean), reference=str(clean),
+            max_model_len=SHARED_MAX_MODEL_LEN,
+        )["reference"]  # fmt: skip
+        out = work / "out"
+        env = dict(_env(speculators), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = core or "0"
+        proc = subprocess.run(
+            [sys.executable, "-m", "spec_compat", "extract", "--conversations", "--model", str(model),
+             "--input", str(data), "--output", str(out), "--layer-ids", ",".join(map(str, LAYER_IDS)),
+             "--max-model-len", str(SHARED_MAX_MODEL_LEN), "--dtype", "float32", "--save-dtype", "float32",
+             "--on-error", "skip", "--batch-size", "4", "--format", self.format],
+            env=env, cwd=work, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        return ConversationsExtracted(reference, proc, out, work)
+
+
+CONVERSATIONS_V1 = ConversationsExtract("speculators-v1")
+CONVERSATIONS_HS = ConversationsExtract("speculators-hs")
+
+
 @pytest.mark.engine
-def test_extract_conversations_equals_speculators_pipeline(tmp_path: Path) -> None:
+@pytest.mark.parametrize("job", [CONVERSATIONS_V1], ids=["speculators-v1"])
+def test_extract_conversations_equals_speculators_pipeline(job: ConversationsExtract, engine_cells: CellPool) -> None:
     """``spec-compat extract --conversations`` vs speculators' pipeline for the same file: its
     preprocessing (rows, masks) and its generator's hidden states (= HF transformers' layers)."""
-    speculators = require_speculators("0.4.0.1")
+    run = engine_cells.result(job)
     model = chat_model(CHAT_TEMPLATE_PLAIN)
-    data, clean = sharegpt_file(tmp_path / "chat.jsonl", 6, {3: BAD_LINES[3]})
     max_model_len, layers = SHARED_MAX_MODEL_LEN, list(LAYER_IDS)  # some conversations longer
-    reference = run_cell(
-        tmp_path / "ref", speculators, model=str(model), input=str(clean), reference=str(clean),
-        max_model_len=max_model_len,
-    )["reference"]  # fmt: skip
-    out = tmp_path / "out"
-    env = dict(_env(speculators), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spec_compat", "extract", "--conversations", "--model", str(model),
-         "--input", str(data), "--output", str(out), "--layer-ids", ",".join(map(str, layers)),
-         "--max-model-len", str(max_model_len), "--dtype", "float32", "--save-dtype", "float32",
-         "--on-error", "skip", "--batch-size", "4"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    reference, proc, out = run.reference, run.proc, run.out
+
     # the bad line is reported (extract's exit status for skipped lines is its own matter), the good ones extracted
     assert proc.returncode in (0, 1) and "line 3: not JSON" in proc.stderr, proc.stderr[-4000:]
     files = {int(p.stem[len("data_") :]): torch.load(p, weights_only=True) for p in out.glob("data_*.pt")}
@@ -241,4 +314,34 @@ def test_extract_conversations_equals_speculators_pipeline(tmp_path: Path) -> No
         assert len(sample["hidden_states"]) == len(layers)
         for got, expected in zip(sample["hidden_states"], want[i], strict=True):
             assert torch.allclose(got, expected, atol=2e-3, rtol=1e-3), (i, float((got - expected).abs().max()))
-    assert (out / "token_freq.pt").exists() and not (tmp_path / "token_freq.pt").exists()
+    assert (out / "token_freq.pt").exists() and not (run.cwd / "token_freq.pt").exists()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("job", "v1"), [(CONVERSATIONS_HS, CONVERSATIONS_V1)], ids=["speculators-hs"])
+def test_extract_conversations_as_speculators_hs_holds_the_v1_samples(
+    job: ConversationsExtract, v1: ConversationsExtract, engine_cells: CellPool
+) -> None:
+    """issue 29: ``--conversations`` in ``--format speculators-hs``: the rows, masks and states of
+    the speculators-v1 run of the same file (which test_extract_conversations_equals_speculators_pipeline
+    checks against speculators' pipeline and HF), layers in ascending order, bad line reported."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    run, base = engine_cells.result(job), engine_cells.result(v1)
+    assert run.proc.returncode in (0, 1) and "line 3: not JSON" in run.proc.stderr, run.proc.stderr[-4000:]
+    assert base.proc.returncode in (0, 1), base.proc.stderr[-4000:]
+    v1_files = {int(p.stem[len("data_") :]): torch.load(p, weights_only=True) for p in base.out.glob("data_*.pt")}
+    assert sorted(v1_files) == list(range(len(run.reference))) and run.reference == base.reference
+    rows = load_from_disk(str(run.out)).with_format(None)
+    assert len(rows) == len(v1_files)
+    order = sorted(range(len(LAYER_IDS)), key=LAYER_IDS.__getitem__)  # an hs file's layers: ascending ids
+    for i, sample in v1_files.items():
+        ids = sample["input_ids"].tolist()
+        assert rows[i]["input_ids"] == ids and rows[i]["seq_len"] == len(ids), i
+        assert rows[i]["loss_mask"] == sample["loss_mask"].tolist(), i
+        states = load_file(str(run.out / "hidden_states" / f"hs_{i}.safetensors"))
+        assert states["token_ids"].tolist() == ids, i
+        want = torch.stack([sample["hidden_states"][k] for k in order], dim=1)
+        assert states["hidden_states"].shape == want.shape and torch.equal(states["hidden_states"], want), i
+    assert (run.out / "token_freq.pt").exists() and not (run.cwd / "token_freq.pt").exists()

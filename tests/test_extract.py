@@ -7,10 +7,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 from shared_constants import LAYER_IDS, MAX_MODEL_LEN
 
-from engine_harness import model_dir, process_group_gone, record_figure, require_speculators
+from engine_harness import CellPool, model_dir, process_group_gone, record_figure, require_speculators
 from spec_compat.extract.fp8 import ERROR_TOKEN_STRIDE
 
 pytestmark = pytest.mark.engine
@@ -44,17 +46,17 @@ def _command(data: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
+def _env(core: str = "0") -> dict[str, str]:
     return dict(
         os.environ,
         PYTHONPATH=str(require_speculators("0.4.0.1")),
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        VLLM_CPU_OMP_THREADS_BIND="0",
+        VLLM_CPU_OMP_THREADS_BIND=core,
     )
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+def _run(cmd: list[str], core: str = "0") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=_env(core), capture_output=True, text=True, timeout=600)
 
 
 def _load(out: Path) -> dict[int, dict[str, object]]:
@@ -62,16 +64,106 @@ def _load(out: Path) -> dict[int, dict[str, object]]:
     return {int(k): torch.load(out / v["file"], weights_only=True) for k, v in manifest["samples"].items()}
 
 
+READER_ENV = "SPEC_COMPAT_SPECULATORS_READER"  # speculators 0.9.0 + hs-connectors 0.9.0 (tools/provision.sh)
+READER_CELL = Path(__file__).resolve().parent / "cells" / "hs_reader_cell.py"
+
+
+def _reader_dir() -> Path | None:
+    reader = os.environ.get(READER_ENV)
+    return Path(reader) if reader and (Path(reader) / "speculators").is_dir() else None
+
+
+@dataclass
+class Extracted:
+    data: Path
+    outs: dict[str, Path]
+    procs: list[subprocess.CompletedProcess[str]]  # in the order of ``runs``
+    reader: subprocess.CompletedProcess[str] | None  # with read_back, where the reader is provided
+    read_back: Path  # the reader cell's output
+    after: dict[str, Any]  # what the ``corrupt`` / ``rerun`` steps left for their tests
+
+
+@dataclass(frozen=True)
+class Extract:
+    """``spec-compat extract`` runs, one after another, on a dataset of ``count`` lines (``bad``: the
+    lines with a token outside the vocabulary) in the job's directory: each run (its output folder,
+    its extra arguments). ``read_back``: then speculators 0.9.0's reader on the ``bfloat16`` (file
+    backend) and ``fp8`` outputs, where it is provided. ``corrupt``: then a copy of the first
+    output with one file corrupted, extracted again; ``rerun``: then a copy of the ``fp8`` output
+    extracted again, as it was and in another save dtype. A pool job: one core."""
+
+    label: str
+    count: int
+    runs: tuple[tuple[str, tuple[str, ...]], ...]
+    bad: tuple[int, ...] = ()
+    read_back: bool = False
+    corrupt: bool = False
+    rerun: bool = False
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"extract-{self.label}"
+
+    def run(self, work: Path, core: str | None) -> Extracted:
+        data = _dataset(work / "data.jsonl", self.count, set(self.bad))
+        outs = {folder: work / folder for folder, _ in self.runs}
+        procs = [_run(_command(data, outs[folder], *extra), core or "0") for folder, extra in self.runs]
+        reader, reader_dir = None, _reader_dir()
+        if self.read_back and reader_dir is not None:
+            backends = {"bfloat16": "file", "fp8": "fp8"}
+            outputs = {dtype: {"path": str(outs[dtype]), "backend": backend} for dtype, backend in backends.items()}
+            spec = {"outputs": outputs, "max_len": MAX_MODEL_LEN}
+            (work / "spec.json").write_text(json.dumps(spec))
+            env = dict(os.environ, PYTHONPATH=str(reader_dir))  # no speculators 0.4, no spec_compat hooks
+            reader = subprocess.run([sys.executable, str(READER_CELL), str(work / "spec.json"), str(work / "read.pt")],
+                                    env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        after: dict[str, Any] = {}
+        if self.corrupt:
+            folder, extra = self.runs[0]
+            copy = after["copy"] = work / "copy"
+            shutil.copytree(outs[folder], copy)
+            victim = copy / "data_3.pt"
+            blob = bytearray(victim.read_bytes())
+            blob[-20] ^= 0xFF
+            victim.write_bytes(bytes(blob))
+            after["untouched"] = (copy / "data_4.pt").stat().st_mtime_ns
+            after["proc"] = _run(_command(data, copy, *extra), core or "0")
+        if self.rerun:
+            # a copy: the rerun must not touch what the read-back and fp8 tests read
+            copy = work / "fp8-rerun"
+            shutil.copytree(outs["fp8"], copy)
+            again = _command(data, copy, "--batch-size", "5", "--format", "speculators-hs", "--save-dtype", "fp8")
+            after["again"] = _run(again, core or "0")
+            after["other"] = _run(_command(data, copy, *HS, "--save-dtype", "bfloat16"), core or "0")
+        return Extracted(data, outs, procs, reader, work / "read.pt", after)
+
+
+FULL_RUN = Extract("full", 24, (("full", ("--batch-size", "5")),), corrupt=True)
+# full_run's dataset and batches again, as speculators-hs in bf16 and in fp8, then read back
+HS_RUNS = Extract(
+    "hs",
+    24,
+    tuple(
+        (dtype, ("--batch-size", "5", "--format", "speculators-hs", "--save-dtype", dtype))
+        for dtype in ("bfloat16", "fp8")
+    ),
+    read_back=True,
+    rerun=True,
+)
+SHARDS = Extract("shards", 24, tuple(("sharded", ("--shard", shard, "--batch-size", "4")) for shard in ("0/2", "1/2")))
+SKIP = Extract("skip", 12, (("skip", ("--batch-size", "4", "--on-error", "skip")),), bad=(5,))
+
+
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("extract")
-    data = _dataset(tmp / "data.jsonl", 24)
-    out = tmp / "full"
-    proc = _run(_command(data, out, "--batch-size", "5"))
+def full_run(engine_cells: CellPool) -> tuple[Path, Path]:
+    run = engine_cells.result(FULL_RUN)
+    proc = run.procs[0]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return data, out
+    return run.data, run.outs["full"]
 
 
+@pytest.mark.reads(FULL_RUN)
 def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path]) -> None:
     data, out = full_run
     samples = _load(out)
@@ -109,28 +201,25 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     assert check.stdout.split()[-3] == str(len(lines))
 
 
-def test_two_shards_equal_one_run(full_run: tuple[Path, Path], tmp_path: Path) -> None:
-    data, out = full_run
-    for shard in ("0/2", "1/2"):
-        proc = _run(_command(data, tmp_path / "sharded", "--shard", shard, "--batch-size", "4"))
+@pytest.mark.reads(FULL_RUN, SHARDS)
+def test_two_shards_equal_one_run(full_run: tuple[Path, Path], engine_cells: CellPool) -> None:
+    _, out = full_run
+    shards = engine_cells.result(SHARDS)  # full_run's dataset, written again
+    for proc in shards.procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
-    whole, sharded = _load(out), _load(tmp_path / "sharded")
+    assert len(shards.procs) == 2
+    whole, sharded = _load(out), _load(shards.outs["sharded"])
     assert sorted(sharded) == sorted(whole)
     for idx, sample in whole.items():
         for a, b in zip(sample["hidden_states"], sharded[idx]["hidden_states"], strict=True):  # type: ignore[call-overload]
             assert torch.allclose(a, b, atol=1e-5, rtol=0), idx
 
 
-def test_corrupted_file_is_detected_and_redone(full_run: tuple[Path, Path], tmp_path: Path) -> None:
-    data, out = full_run
-    copy = tmp_path / "copy"
-    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
-    victim = copy / "data_3.pt"
-    blob = bytearray(victim.read_bytes())
-    blob[-20] ^= 0xFF
-    victim.write_bytes(bytes(blob))
-    untouched = (copy / "data_4.pt").stat().st_mtime_ns
-    proc = _run(_command(data, copy, "--batch-size", "5"))
+@pytest.mark.reads(FULL_RUN)
+def test_corrupted_file_is_detected_and_redone(full_run: tuple[Path, Path], engine_cells: CellPool) -> None:
+    _, out = full_run
+    after = engine_cells.result(FULL_RUN).after  # full_run's output copied, data_3.pt corrupted, run again
+    copy, untouched, proc = after["copy"], after["untouched"], after["proc"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sample 3: data_3.pt does not match its sha256 (corrupted)" in proc.stderr
     assert "1 to do" in proc.stderr
@@ -182,10 +271,12 @@ def test_bad_lines_are_all_reported_before_the_engine_loads_and_nothing_is_writt
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(tmp_path: Path) -> None:
-    data = _dataset(tmp_path / "data.jsonl", 12, bad={5})
-    out = tmp_path / "skip"
-    proc = _run(_command(data, out, "--batch-size", "4", "--on-error", "skip"))
+@pytest.mark.parametrize("job", [SKIP], ids=["skip"])
+def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(
+    job: Extract, engine_cells: CellPool
+) -> None:
+    run = engine_cells.result(job)
+    proc, out = run.procs[0], run.outs["skip"]
     assert proc.returncode == 1, proc.stderr[-3000:]  # not everything could be extracted
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["invalid"] == {"5": "token id 10000 at position 0 is outside the vocabulary (size 512)"}
@@ -226,6 +317,7 @@ def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
     return samples
 
 
+@pytest.mark.reads(FULL_RUN)
 def test_full_disk_is_one_line_keeps_what_is_done_and_a_rerun_completes(
     full_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -297,9 +389,7 @@ def test_signal_stops_within_seconds_leaves_a_consistent_output_and_a_rerun_fini
 
 # --- --format speculators-hs (speculators >= 0.5) and --save-dtype fp8, read by speculators 0.9.0 --------------
 
-READER_ENV = "SPEC_COMPAT_SPECULATORS_READER"  # speculators 0.9.0 + hs-connectors 0.9.0 (tools/provision.sh)
 HS = ("--format", "speculators-hs")
-READER_CELL = Path(__file__).resolve().parent / "cells" / "hs_reader_cell.py"
 FILE_ORDER = sorted(range(len(LAYER_IDS)), key=LAYER_IDS.__getitem__)  # an hs file's layers: ascending ids
 # speculators 0.9.0 requires them (multimodal data); the venv has none (provision.sh removes vllm-cpu's CUDA
 # builds, which break transformers on a CPU torch) and its reader imports neither
@@ -307,43 +397,32 @@ NOT_INSTALLED = ["speculators: torchaudio (not installed)", "speculators: torchv
 
 
 def _reader() -> Path:
-    reader = os.environ.get(READER_ENV)
-    if not reader or not (Path(reader) / "speculators").is_dir():
-        message = f"the speculators 0.9.0 reader is not provided ({READER_ENV}={reader!r})"
+    reader = _reader_dir()
+    if reader is None:
+        message = f"the speculators 0.9.0 reader is not provided ({READER_ENV}={os.environ.get(READER_ENV)!r})"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    return Path(reader)
+    return reader
 
 
 @pytest.fixture(scope="module")
-def hs_runs(full_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def hs_runs(engine_cells: CellPool) -> dict[str, Path]:
     """full_run's dataset and batches again, as speculators-hs in bf16 and in fp8 (two engine runs)."""
-    data, _ = full_run
-    tmp = tmp_path_factory.mktemp("extract_hs")
-    outs = {}
-    for dtype in ("bfloat16", "fp8"):
-        outs[dtype] = tmp / dtype
-        proc = _run(
-            _command(data, outs[dtype], "--batch-size", "5", "--format", "speculators-hs", "--save-dtype", dtype)
-        )
+    run = engine_cells.result(HS_RUNS)
+    for proc in run.procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
-    return outs
+    return run.outs
 
 
 @pytest.fixture(scope="module")
-def read_back(hs_runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def read_back(hs_runs: dict[str, Path], engine_cells: CellPool) -> dict[str, Any]:
     """What speculators 0.9.0's ArrowDataset (file / fp8 backend, as its trainer builds them) returns."""
-    reader = _reader()
-    tmp = tmp_path_factory.mktemp("hs_reader")
-    spec = {"outputs": {"bfloat16": {"path": str(hs_runs["bfloat16"]), "backend": "file"},
-                        "fp8": {"path": str(hs_runs["fp8"]), "backend": "fp8"}}, "max_len": MAX_MODEL_LEN}  # fmt: skip
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(reader))  # no speculators 0.4, no spec_compat hooks
-    proc = subprocess.run([sys.executable, str(READER_CELL), str(tmp / "spec.json"), str(tmp / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, Any] = torch.load(tmp / "out.pt", weights_only=False)
+    _reader()
+    run = engine_cells.result(HS_RUNS)
+    assert run.reader is not None, "the pool did not find the reader"
+    assert run.reader.returncode == 0, run.reader.stderr[-4000:]
+    result: dict[str, Any] = torch.load(run.read_back, weights_only=False)
     return result
 
 
@@ -353,6 +432,7 @@ def _rows(out: Path) -> dict[int, int]:
     return {int(k): int(Path(v["file"]).stem.removeprefix("hs_")) for k, v in samples.items()}
 
 
+@pytest.mark.reads(FULL_RUN, HS_RUNS)
 def test_speculators_0_9_reads_the_hs_output_with_the_v1_outputs_tokens_masks_and_states(
     full_run: tuple[Path, Path], hs_runs: dict[str, Path], read_back: dict[str, Any]
 ) -> None:
@@ -380,6 +460,7 @@ def test_speculators_0_9_reads_the_hs_output_with_the_v1_outputs_tokens_masks_an
     assert provenance["native_layer_ids"] == [k + 1 for k in sorted(LAYER_IDS)]
 
 
+@pytest.mark.reads(FULL_RUN, HS_RUNS)
 def test_fp8_states_read_back_within_the_error_the_manifest_records(
     full_run: tuple[Path, Path], hs_runs: dict[str, Path], read_back: dict[str, Any]
 ) -> None:
@@ -423,14 +504,12 @@ def test_fp8_states_read_back_within_the_error_the_manifest_records(
     assert sizes["fp8"] < 0.6 * sizes["bfloat16"], sizes
 
 
+@pytest.mark.reads(HS_RUNS)
 def test_hs_rerun_verifies_and_skips_and_a_rerun_in_another_dtype_is_refused(
-    full_run: tuple[Path, Path], hs_runs: dict[str, Path]
+    hs_runs: dict[str, Path], engine_cells: CellPool
 ) -> None:
     """No engine starts: every sample is listed (a rerun that finds work: the manifest code of speculators-v1)."""
-    data, _ = full_run
-    again = _run(
-        _command(data, hs_runs["fp8"], "--batch-size", "5", "--format", "speculators-hs", "--save-dtype", "fp8")
-    )
+    after = engine_cells.result(HS_RUNS).after  # a copy of the fp8 output, extracted again (Extract.rerun)
+    again, other = after["again"], after["other"]
     assert again.returncode == 0 and "24 done, 0 to do" in again.stderr, again.stderr[-3000:]
-    other = _run(_command(data, hs_runs["fp8"], *HS, "--save-dtype", "bfloat16"))
     assert other.returncode == 2 and "use another --output" in other.stderr, other.stderr[-3000:]

