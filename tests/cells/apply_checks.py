@@ -38,10 +38,10 @@ def main() -> None:
     out["preflight_ok"] = all(f.ok for f in first.preflight)
     out["request_is_adapter"] = generator.Request is not innermost(generator.Request)
     wrapped_generate = cls.generate
-    from spec_compat import _patcher
+    from spec_compat.engine import STATE
     from spec_compat.registry import BY_ID
 
-    patch_ids = {patch.adapter_id for patch in _patcher.patches}
+    patch_ids = {patch.adapter_id for patch in STATE.patcher.patches}
     out["patch_ids_not_in_registry"] = sorted(patch_ids - set(BY_ID))
     out["applied_without_a_patch"] = sorted(set(first.applied) - patch_ids)
     # each record's speculators range is honoured: applied only inside it, reported when outside

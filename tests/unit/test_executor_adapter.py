@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from spec_compat.adapters.executor import make_executor_class
+from spec_compat.adapters.remote_errors import encode
 from spec_compat.errors import WorkerError
 from spec_compat.options import WORKER_ENV
-from spec_compat.remote_errors import encode
 
 
 class FakeExecutor:

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 from packaging.specifiers import SpecifierSet
 
-import spec_compat
+import spec_compat.engine
 from spec_compat.adapters.probe import Probe
 from spec_compat.adapters.unit import NOTE_KEYS
 from spec_compat.detect import detect
@@ -69,7 +69,7 @@ def test_every_patch_carries_the_id_of_the_adapter_that_made_it(monkeypatch: pyt
     monkeypatch.setattr(registry, "ADAPTERS", (_patching_adapter("first", Target), _patching_adapter("second", Target)))
     patcher = Patcher()
     report = spec_compat.Report(env=detect(), options=Options())
-    spec_compat._run_side(Context(env=detect(), options=Options()), "driver", report, patcher)
+    spec_compat.engine.run_side(Context(env=detect(), options=Options()), "driver", report, patcher)
     assert [(p.adapter_id, p.target) for p in patcher.patches] == [
         ("first", "Target.value"),
         ("first", "Target.alias_first"),
@@ -160,7 +160,7 @@ def test_apply_honours_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "ADAPTERS", fakes)
     env = replace(detect(), speculators=parse_version("0.4.0.1"))
     report = spec_compat.Report(env=env, options=Options())
-    spec_compat._run_side(Context(env=env, options=Options()), "driver", report, Patcher())
+    spec_compat.engine.run_side(Context(env=env, options=Options()), "driver", report, Patcher())
     decisions = {d.id: d for d in report.decisions}
     assert calls == ["probe new-only", "apply new-only", "probe any", "apply any"]  # never probed outside
     assert not decisions["old-only"].applies and not decisions["old-only"].blocking

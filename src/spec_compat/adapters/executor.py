@@ -32,7 +32,7 @@ import time
 import weakref
 from typing import Any
 
-from .. import timing, transfer
+from .. import timing
 from ..environ import scoped_environ
 from ..errors import EngineStopped
 from ..options import Context
@@ -46,6 +46,7 @@ from . import (
     executor_replies,
     executor_transfer,
     executor_zmq,
+    transfer,
     watchdog,
 )
 from .executor_switches import EXECUTORS, ExecutorSwitches, register_installer, switch_on

@@ -13,9 +13,9 @@ import signal
 import time
 from typing import Any
 
-from .. import remote_errors
 from ..errors import WorkerError
 from ..options import Context
+from . import remote_errors
 from .executor_switches import switch_on
 from .probe import Probe
 from .unit import Adapter

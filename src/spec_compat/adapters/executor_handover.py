@@ -24,7 +24,7 @@ def handover(executor: Any) -> Any:
     """The hook: the function DriverMappings.open passes a reply through (None: the switch is off)."""
     if not executor.states_handover:
         return None
-    from .. import handover as module  # imports torch: only once a reply with tensors arrives
+    from . import handover as module  # imports torch: only once a reply with tensors arrives
 
     return module.as_clone_sources
 

@@ -12,9 +12,9 @@ import logging
 import sys
 from typing import Any
 
-from .. import timing, transfer
+from .. import timing
 from ..options import Context
-from . import executor_handover
+from . import executor_handover, transfer
 from .executor_switches import switch_on
 from .probe import Probe
 from .unit import Adapter

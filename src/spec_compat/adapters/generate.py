@@ -16,12 +16,12 @@ from typing import Any
 
 import wrapt
 
-from ..contract import check_results
 from ..errors import IncompatibleError
 from ..options import Context
 from ..patching import AdapterPatcher
 from ..timing import OwnTime
 from . import speculators_code
+from .contract import check_results
 from .probe import Probe
 from .speculators_code import generator_module
 from .unit import SPECULATORS_0_3_ONLY, SPECULATORS_0_4_ONLY, Adapter

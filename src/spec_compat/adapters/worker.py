@@ -14,12 +14,11 @@ from typing import Any
 
 import wrapt
 
-from .. import transfer
 from ..options import Context
 from ..patching import AdapterPatcher
-from ..remote_errors import EncodedWorkerException, encode
-from . import speculators_code
+from . import speculators_code, transfer
 from .probe import Probe
+from .remote_errors import EncodedWorkerException, encode
 from .speculators_code import extension_method, worker_module
 from .unit import SPECULATORS_0_3_ONLY, Adapter
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from ..options import Context
 from ..patching import AdapterPatcher
-from ..remote_errors import encode, is_encoded
 from .probe import Probe
+from .remote_errors import encode, is_encoded
 from .unit import Adapter
 from .worker import tp_rank
 

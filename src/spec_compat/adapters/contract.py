@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ResultContractError
+from ..errors import ResultContractError
 
 _MAX_REPORTED = 8
 

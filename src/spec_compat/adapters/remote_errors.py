@@ -13,7 +13,7 @@ import json
 import traceback
 from typing import Any
 
-from .errors import WorkerError
+from ..errors import WorkerError
 
 _BEGIN = "<<spec_compat-worker-error "
 _END = " spec_compat-worker-error>>"

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import timing
+from .. import timing
 
 
 class HandoverTarget:
