@@ -16,7 +16,7 @@ from .adapters import (
     cpu_kernels,
     driver_calls,
     executor,
-    executor_failures,
+    executor_all_ranks_reply,
     executor_handover,
     executor_malloc,
     executor_protocol,
@@ -99,7 +99,7 @@ ADAPTERS: tuple[Adapter, ...] = ordered(
         driver_calls.REQUEST_KWARGS,
         cpu_kernels.CPU_RMS_NORM_STRIDED,
         executor.EXECUTOR,
-        executor_failures.EXECUTOR_ALL_RANKS_REPLY,
+        executor_all_ranks_reply.EXECUTOR_ALL_RANKS_REPLY,
         executor_protocol.EXECUTOR_REPLY_SHAPE,
         executor_protocol.EXECUTOR_SAMPLE_TOKENS,
         executor_protocol.EXECUTOR_KV_LAYOUT,
@@ -126,6 +126,6 @@ ADAPTERS: tuple[Adapter, ...] = ordered(
     )
 )
 
-# Adapters that switch executor behaviour (executor_switches.set_flag / switch_on) install the
-# subclass first if the "executor" record has not (its apply installs it and its worker options).
+# Adapters that register an executor hook (executor.install_hook) install the subclass first if the
+# "executor" record has not (its apply installs it and its worker set-up hook).
 BY_ID = {adapter.id: adapter for adapter in ADAPTERS}

@@ -8,7 +8,11 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters.executor import make_executor_class
+from spec_compat.adapters.executor import WorkerSetup, make_executor_class
+from spec_compat.adapters.executor_all_ranks_reply import AllRanksReply
+from spec_compat.adapters.executor_hooks import ExecutorHook
+from spec_compat.adapters.executor_malloc import WORKER_MALLOC_ENV, WorkerMalloc
+from spec_compat.adapters.executor_protocol import ForceV1ModelRunner, ReplyAsList, SampleAfterExecute
 from spec_compat.adapters.remote_errors import encode
 from spec_compat.errors import WorkerError
 from spec_compat.options import WORKER_ENV
@@ -50,10 +54,11 @@ class FakeExecutor:
         return "sampled"
 
 
-def _subclass(base: type, **flags: Any) -> type:
+def _subclass(base: type, *hooks: ExecutorHook) -> type:
+    """The subclass with ``hooks`` registered, as their adapters' applies would."""
     cls = make_executor_class(base)
-    for name, value in flags.items():
-        setattr(cls, name, value)
+    for hook in hooks:
+        cls.hooks = cls.hooks.adding(hook)
     cls.extension_methods = frozenset({"_get_captured_states"})
     return cls
 
@@ -61,7 +66,7 @@ def _subclass(base: type, **flags: Any) -> type:
 @pytest.mark.parametrize("bare", [True, False])
 def test_reply_shape_for_speculators_030(bare: bool) -> None:
     base = type(f"Base{bare}", (FakeExecutor,), {"bare": bare})
-    executor = _subclass(base, all_ranks_reply=True, reply_as_list=True)(vllm_config=object())
+    executor = _subclass(base, ReplyAsList(), AllRanksReply())(vllm_config=object())
     # every rank is asked, rank 0's reply is handed back as the one-element list 0.3.0 indexes
     assert executor.collective_rpc("_get_captured_states", unique_reply_rank=0) == [("_get_captured_states", 0)]
     # vLLM's own RPCs are untouched
@@ -72,36 +77,32 @@ def test_reply_shape_for_speculators_030(bare: bool) -> None:
 
 def test_failure_on_a_non_reply_rank_is_reported() -> None:
     base = type("BaseFail", (FakeExecutor,), {"fail_rank": 1})
-    quiet = _subclass(type("BaseFailQuiet", (base,), {}), all_ranks_reply=False)(vllm_config=object())
+    quiet = _subclass(type("BaseFailQuiet", (base,), {}))(vllm_config=object())
     assert quiet.collective_rpc("_get_captured_states", unique_reply_rank=0) == ("_get_captured_states", 0)
-    loud = _subclass(base, all_ranks_reply=True)(vllm_config=object())
+    loud = _subclass(base, AllRanksReply())(vllm_config=object())
     with pytest.raises(WorkerError, match="TP rank 1"):
         loud.collective_rpc("_get_captured_states", unique_reply_rank=0)
 
 
 def test_sample_tokens_follows_execute_model_only_when_switched_on() -> None:
-    on = _subclass(type("BaseSample", (FakeExecutor,), {}), sample_after_execute=True)(vllm_config=object())
+    on = _subclass(type("BaseSample", (FakeExecutor,), {}), SampleAfterExecute())(vllm_config=object())
     assert on.execute_model(type("SO", (), {"num_scheduled_tokens": {"a": 3}})()) == "sampled"
     assert on.step_log == [[("a", 3)]]
 
 
 def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    cls = _subclass(
-        type("BaseEnv", (FakeExecutor,), {}), worker_options_json='{"dtype": null}', force_v1_model_runner=True
-    )
+    cls = _subclass(type("BaseEnv", (FakeExecutor,), {}), WorkerSetup('{"dtype": null}'), ForceV1ModelRunner())
     executor = cls(vllm_config=object())
     assert executor.env_seen == {WORKER_ENV: '{"dtype": null}', "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert WORKER_ENV not in os.environ and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
 
 def test_worker_malloc_env_scoped_and_user_values_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spec_compat.adapters.executor_malloc import WORKER_MALLOC_ENV
-
     for key, _ in WORKER_MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MALLOC_TOP_PAD_", "12345")  # the user's choice wins
-    cls = _subclass(type("BaseMalloc", (FakeExecutor,), {}), worker_malloc_env=WORKER_MALLOC_ENV)
+    cls = _subclass(type("BaseMalloc", (FakeExecutor,), {}), WorkerMalloc(WORKER_MALLOC_ENV))
     executor = cls(vllm_config=object())
     expected = {key: value for key, value in WORKER_MALLOC_ENV} | {"MALLOC_TOP_PAD_": "12345"}
     assert executor.malloc_seen == expected
@@ -160,13 +161,14 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
     cls = make_executor_class(Base)
     instance = cls.__new__(cls)
     instance.rpc_broadcast_mq = queue
-    assert instance.shutdown() == "base" and calls == [[]]
+    assert instance.shutdown() == "base" and calls == []
     instance.rpc_broadcast_mq = queue
-    cls.close_queues_on_shutdown = True
+    saved = cls.hooks
+    cls.hooks = saved.adding(executor_zmq.CloseQueues())
     try:
-        assert instance.shutdown() == "base" and calls == [[], [queue]]
+        assert instance.shutdown() == "base" and calls == [[queue]]
     finally:
-        cls.close_queues_on_shutdown = False
+        cls.hooks = saved
 
 
 @pytest.mark.parametrize(
@@ -218,7 +220,7 @@ def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None
 
 
 def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
-    from spec_compat.adapters.executor_replies import ReadOnceReply
+    from spec_compat.adapters.executor_replies import ReadOnce, ReadOnceReply
 
     class Base:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -230,14 +232,15 @@ def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
     cls = make_executor_class(Base)
     instance = cls.__new__(cls)
     cls.extension_methods = frozenset({"_get_captured_states"})
-    cls.read_once_replies = True
+    saved = cls.hooks
+    cls.hooks = saved.adding(ReadOnce())
     try:
         assert type(instance.collective_rpc("_get_captured_states", unique_reply_rank=0)) is ReadOnceReply
         assert type(instance.collective_rpc("_get_captured_states", unique_reply_rank=0, kind="list")) is list
         assert type(instance.collective_rpc("_get_captured_states")) is dict  # every rank's reply: untouched
         assert type(instance.collective_rpc("get_kv_cache_spec", unique_reply_rank=0)) is dict  # vLLM's own RPC
     finally:
-        cls.read_once_replies = False
+        cls.hooks = saved
         cls.extension_methods = frozenset()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from spec_compat.adapters import imports, kv_cache
-from spec_compat.adapters.executor_switches import EXECUTORS
+from spec_compat.adapters.executor_hooks import EXECUTORS
 from spec_compat.calls import CallAdapter, KeywordPlan
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options

@@ -97,7 +97,7 @@ def test_the_executor_subclass_is_recorded_under_the_adapter_that_installed_it()
     BY_ID["executor-reply-shape"].install(ctx, patcher)
     assert [(p.adapter_id, p.name) for p in patcher.patches] == [
         ("executor-reply-shape", "MultiprocExecutor"),
-        ("executor-reply-shape", "reply_as_list"),
+        ("executor-reply-shape", "hooks"),
     ]
     patcher.revert()
     assert module.MultiprocExecutor is _FakeMultiprocExecutor
@@ -105,8 +105,8 @@ def test_the_executor_subclass_is_recorded_under_the_adapter_that_installed_it()
     BY_ID["executor-reply-shape"].install(ctx, patcher)
     assert [(p.adapter_id, p.name) for p in patcher.patches] == [
         ("executor", "MultiprocExecutor"),
-        ("executor", "worker_options_json"),
-        ("executor-reply-shape", "reply_as_list"),
+        ("executor", "hooks"),
+        ("executor-reply-shape", "hooks"),
     ]
     patcher.revert()
 

@@ -13,6 +13,7 @@ import pytest
 
 from spec_compat.adapters import watchdog
 from spec_compat.adapters.executor import make_executor_class
+from spec_compat.adapters.executor_all_ranks_reply import AllRanksReply
 from spec_compat.errors import EngineStopped, WorkerError, WorkerTimeout
 from spec_compat.options import DEFAULT_RPC_TIMEOUT_S, RPC_TIMEOUT_ENV, Options
 
@@ -126,14 +127,15 @@ class FakeExecutor:
         self.shut_down = True
 
 
-def _executor(timeout_s: float | None = 5.0, **flags: Any) -> Any:
-    base = type(f"Base{id(flags)}{timeout_s}", (FakeExecutor,), {})
+def _executor(timeout_s: float | None = 5.0) -> Any:
+    """The executor with the hooks of executor-all-ranks-reply and (unless ``timeout_s`` is None)
+    executor-rpc-deadline registered, as their applies would."""
+    base = type(f"Base{timeout_s}", (FakeExecutor,), {})
     cls = make_executor_class(base)
     cls.extension_methods = frozenset({"_get_captured_states", "_setup_hidden_states_capture", "_reset_capture"})
-    cls.rpc_timeout_s = timeout_s
-    cls.all_ranks_reply = True
-    for name, value in flags.items():
-        setattr(cls, name, value)
+    cls.hooks = cls.hooks.adding(AllRanksReply())
+    if timeout_s is not None:
+        cls.hooks = cls.hooks.adding(watchdog.RpcDeadline(timeout_s))
     return cls(vllm_config=object())
 
 
@@ -169,7 +171,7 @@ def test_user_set_step_timeout_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_deadline_when_switched_off() -> None:
     executor = _executor(None)
     executor.collective_rpc("_get_captured_states", unique_reply_rank=0)
-    assert executor.timeouts == [("_get_captured_states", None)] and executor.watchdog_directory is None
+    assert executor.timeouts == [("_get_captured_states", None)] and not hasattr(executor, "watchdog_directory")
 
 
 @pytest.mark.parametrize("silent", [0, 1])

@@ -1,35 +1,22 @@
 """spec_compat's MultiprocExecutor, installed under the generator module's ``MultiprocExecutor``
-(adapter ``executor``).
+(adapter ``executor``), and the registration of executor behaviours (``install_hook``).
 
-It is a subclass created at apply() time. Each behaviour is switched on by its own registry
-adapter (a switch in ``executor_switches.ExecutorSwitches``, set through the patcher, so revert()
-switches it off again) and lives, as the hooks called below, in that adapter's module:
-
-=============================== ======================================= ===============================
-behaviour                       adapter                                 module
-=============================== ======================================= ===============================
-worker-side adapters, entry     executor                                executor_entry
-fork/CUDA safety of the start   executor (always)                       executor_fork
-failure diagnosis, all ranks    executor (always), executor-all-ranks-  executor_failures
-                                reply
-reply shape, sample, KV layout, executor-reply-shape, -sample-tokens,   executor_protocol
-V1 runner                       -kv-layout, -model-runner-v1
-message-queue zmq shutdown      executor-close-queues                   executor_zmq
-reply memory                    rpc-reply-read-once                     executor_replies
-malloc settings                 worker-malloc-retain                    executor_malloc
-shared-memory replies           executor-shared-memory-replies          executor_transfer
-clones keep the shared bytes    driver-states-handover                  executor_handover (a hook
-                                                                        of executor_transfer)
-RPC deadline, hang report       executor-rpc-deadline                   watchdog
-=============================== ======================================= ===============================
+It is a subclass created at apply() time that runs the hooks registered on it (``HookSet``,
+``executor_hooks.py`` describes the phases): each executor behaviour is one ``ExecutorHook`` in its
+adapter's own file, whose apply calls ``install_hook``. Its own behaviour, on whatever release and
+whichever adapters apply (``_CORE``): the workers started with spawn where the CUDA driver is
+initialised (``executor_fork``), a failing worker's error decoded and a dead worker named
+(``executor_failures``), speculators' replies of shared-memory states mapped and counted
+(``received_states``), the model steps logged (``step_log``), and ``spec_compat_stop``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
+import threading
 import time
-import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from .. import timing
@@ -37,74 +24,110 @@ from ..environ import scoped_environ
 from ..errors import EngineStopped
 from ..options import Context
 from ..patching import AdapterPatcher
-from . import (
-    executor_entry,
-    executor_failures,
-    executor_fork,
-    executor_malloc,
-    executor_protocol,
-    executor_replies,
-    executor_transfer,
-    executor_zmq,
-    transfer,
-    watchdog,
-)
-from .executor_switches import EXECUTORS, ExecutorSwitches, register_installer, switch_on
+from . import executor_entry, executor_failures, executor_fork, transfer
+from .executor_hooks import EXECUTORS, ExecutorHook, HookSet, RpcCall
 from .probe import Probe
 from .speculators_code import generator_module
 from .unit import Adapter
 
+logger = logging.getLogger("spec_compat.executor")
 _SUBCLASSES: dict[type, type] = {}
 _OWN_RPC_TIME = timing.OwnTime("own:executor-rpc")
+STATE_REPLIES = (transfer.SharedStates, transfer.InlineStates)
+STUCK_TERM_AFTER_S = 1.0  # silent ranks get SIGTERM this long after the engine's shutdown began
+
+
+def received_states(executor: Any, result: Any, own_time: timing.OwnTime) -> Any:
+    """A reply of speculators' RPC: shared-memory descriptors replaced by the tensors they describe;
+    replies checked finite on the worker (or not) counted."""
+    if isinstance(result, list) and any(isinstance(r, STATE_REPLIES) for r in result):
+        return [received_states(executor, r, own_time) for r in result]
+    if isinstance(result, STATE_REPLIES):
+        timing.add_all(result.timings)
+        executor.states_replies["verified" if result.all_finite else "unverified"] += 1
+        if isinstance(result, transfer.SharedStates):
+            with own_time.excluded(), timing.timed("transfer:driver-map"):
+                return executor.transfer_mappings.open(result, executor.clone_sources)
+        if executor.transfer_fallback_reason is None:
+            executor.transfer_fallback_reason = result.reason
+            logger.warning(
+                "spec_compat: captured states came back through vLLM's RPC instead of shared memory (slower): %s",
+                result.reason,
+            )
+        return result.value
+    if result is not None and transfer.flatten(result)[1]:
+        executor.states_replies["unverified"] += 1
+    return result
+
+
+class _Core(ExecutorHook):
+    """The subclass's own behaviour (see the module docstring)."""
+
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        # Workers are started inside super().__init__(): fork only from a process whose CUDA
+        # driver is still uninitialised (scoped: a later executor checks again).
+        env = executor_fork.start_method_env()
+        return scoped_environ(env) if env else None
+
+    def on_error(self, executor: Any, call: RpcCall, exc: Exception) -> BaseException | None:
+        if isinstance(exc, TimeoutError):
+            return None  # a deadline's (executor-rpc-deadline reports it), or vLLM's own
+        return executor_failures.diagnosed(executor, exc, call.method, call.kwargs)
+
+    def on_reply(self, executor: Any, call: RpcCall, result: Any) -> Any:
+        if call.kwargs.get("non_block") is True:
+            return result
+        return received_states(executor, result, _OWN_RPC_TIME)
+
+
+_CORE = HookSet((_Core(),))
+
+
+def end_stuck_later(procs: list[Any], term_after_s: float = STUCK_TERM_AFTER_S, kill_after_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, the processes of ranks that never answered, from a helper thread once
+    the executor's own shutdown is under way (they would not exit on vLLM's graceful request)."""
+
+    def end() -> None:
+        time.sleep(term_after_s)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        until = time.monotonic() + kill_after_s
+        while any(p.exitcode is None for p in procs) and time.monotonic() < until:
+            time.sleep(0.05)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()
+
+    threading.Thread(target=end, name="spec_compat-end-stuck-ranks", daemon=True).start()
 
 
 def make_executor_class(base: type) -> type:
-    """A subclass of vLLM's MultiprocExecutor with switchable compatibility behaviour."""
+    """A subclass of vLLM's MultiprocExecutor that runs the hooks registered on it."""
     if base in _SUBCLASSES:
         return _SUBCLASSES[base]
 
-    class SpecCompatMultiprocExecutor(ExecutorSwitches, base):  # type: ignore[valid-type, misc]
+    class SpecCompatMultiprocExecutor(base):  # type: ignore[valid-type, misc]
+        hooks: HookSet = _CORE  # install_hook adds to it (through the patcher); an executor keeps its start's
+        extension_methods: frozenset[str] = frozenset()  # speculators' worker RPCs (installed_executor_class)
+        clone_sources: Any = None  # what shared-memory states pass through when mapped (driver-states-handover)
+        stopped_reason: str | None = None  # set once the engine was shut down after a failure / a signal
+
         def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+            hooks = self.hooks = type(self).hooks  # fixed for this executor's life
             self.step_log: list[list[tuple[str, int]]] = []
             # Replies of speculators' RPCs that carried tensors: checked finite on the worker or not.
             self.states_replies = {"verified": 0, "unverified": 0}
             self.transfer_fallback_reason: str | None = None
-            env: dict[str, str] = {}
-            self.replies_read: list[int] = []  # replies read per rank (counted under a deadline)
-            self.watchdog_directory: str | None = None
-            if self.rpc_timeout_s is not None:
-                self.watchdog_directory = watchdog.make_directory()
-                weakref.finalize(self, watchdog.remove_directory, self.watchdog_directory)
-                env[watchdog.WATCHDOG_DIR_ENV] = self.watchdog_directory
-                self.deadlined_methods = watchdog.deadlined_methods(self.extension_methods)
-                # vLLM's own model-step deadline is replaced (too short for a first step without
-                # warm-up) unless the user set it.
-                self.keep_step_timeout = watchdog.STEP_TIMEOUT_ENV in os.environ
-            if self.shared_memory_replies:
-                directory = transfer.make_directory()
-                weakref.finalize(self, transfer.remove_directory, directory)
-                self.transfer_directory: str | None = directory
-                self.transfer_mappings = transfer.DriverMappings(directory)
-                env[transfer.TRANSFER_DIR_ENV] = directory
-            env.update(executor_entry.worker_env(self.worker_options_json))
-            env.update(executor_protocol.v1_runner_env(self.force_v1_model_runner))
-            env.update(executor_malloc.malloc_env(self.worker_malloc_env))
-            # Workers are started inside super().__init__(): fork only from a process whose CUDA
-            # driver is still uninitialised (scoped like the rest: a later executor checks again).
-            env.update(executor_fork.start_method_env())
-            entry_point = (
-                executor_entry.worker_entry_point()
-                if self.worker_options_json is not None
-                else contextlib.nullcontext()
-            )
-            with scoped_environ(env), entry_point:
+            with contextlib.ExitStack() as stack:
+                for hook in hooks.start:
+                    around = hook.start(self)
+                    if around is not None:
+                        stack.enter_context(around)
                 super().__init__(vllm_config, *args, **kwargs)
             EXECUTORS[id(vllm_config)] = self
-            self.replies_read = [0] * len(getattr(self, "response_mqs", None) or [])
-            if self.rpc_timeout_s is not None:
-                watchdog.count_replies(self.response_mqs, self.replies_read)
-            if self.resolve_kv_layout:
-                executor_protocol.resolve_kv_cache_layout(self)
+            for hook in hooks.started:
+                hook.started(self)
 
         def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
             speculators_rpc = isinstance(method, str) and method in self.extension_methods
@@ -112,42 +135,31 @@ def make_executor_class(base: type) -> type:
             label = f"rpc:{method if isinstance(method, str) else 'callable'}"
             own = _OWN_RPC_TIME.around() if speculators_rpc else contextlib.nullcontext()
             with timing.timed(label), own:
-                return self._collective_rpc(speculators_rpc, method, *args, **kwargs)
+                return self._collective_rpc(speculators_rpc, method, args, kwargs)
 
-        def _collective_rpc(self, speculators_rpc: bool, method: Any, *args: Any, **kwargs: Any) -> Any:
+        def _collective_rpc(self, speculators_rpc: bool, method: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
             if self.stopped_reason is not None:
                 raise EngineStopped(self.stopped_reason)
-            reply_rank = kwargs.get("unique_reply_rank")
-            all_ranks = speculators_rpc and reply_rank is not None and self.all_ranks_reply
-            if all_ranks:
-                kwargs["unique_reply_rank"] = None
-            read_before = watchdog.with_deadline(self, method, args, kwargs)
+            hooks = self.hooks
+            call = RpcCall(method, args, kwargs, speculators_rpc)
+            for hook in hooks.before_rpc:
+                hook.before_rpc(self, call)
             try:
                 with _OWN_RPC_TIME.excluded():
                     result = super().collective_rpc(method, *args, **kwargs)
-            except TimeoutError as exc:
-                if read_before is None:
-                    raise
-                raise watchdog.timeout_error(self, method, kwargs, read_before) from exc
             except Exception as exc:
-                diagnosed = executor_failures.diagnosed(self, exc, method, kwargs)
-                if diagnosed is not None:
-                    raise diagnosed from exc
+                for hook in hooks.on_error:
+                    error = hook.on_error(self, call, exc)
+                    if error is not None:
+                        raise error from exc
                 raise
-            blocking = kwargs.get("non_block") is not True
-            if all_ranks and blocking:
-                result = result[reply_rank]
-            if speculators_rpc and blocking:
-                result = executor_transfer.received_states(self, result, _OWN_RPC_TIME)
-            if speculators_rpc and reply_rank is not None:
-                if self.read_once_replies:
-                    result = executor_replies.read_once(result)
-                if self.reply_as_list:
-                    result = [result]
+            if speculators_rpc:
+                for hook in hooks.on_reply:
+                    result = hook.on_reply(self, call, result)
             return result
 
         def spec_compat_stop(
-            self, reason: str, stuck: list[Any] | None = None, term_after_s: float = watchdog.STUCK_TERM_AFTER_S
+            self, reason: str, stuck: list[Any] | None = None, term_after_s: float = STUCK_TERM_AFTER_S
         ) -> str:
             """Shut the engine down for good (after a hang or a signal): no worker left; later calls
             raise EngineStopped at once. ``stuck``: worker processes known not to answer; they get
@@ -159,7 +171,7 @@ def make_executor_class(base: type) -> type:
             started = time.monotonic()
             problem = ""
             if stuck:
-                watchdog.end_stuck_later(stuck, term_after_s)
+                end_stuck_later(stuck, term_after_s)
             try:
                 self.shutdown()
             except Exception as exc:  # noqa: BLE001 - the processes are checked and killed below
@@ -178,25 +190,19 @@ def make_executor_class(base: type) -> type:
             return f"the engine was shut down in {seconds:.1f} s{problem}, no worker process left"
 
         def shutdown(self, *args: Any, **kwargs: Any) -> Any:
-            # Collected first: vLLM's shutdown() drops its references to the queues (sets them to None).
-            queues = executor_zmq.message_queues(self) if self.close_queues_on_shutdown else []
+            # Each hook's part before vLLM's shutdown (which drops its references to the queues) and after.
+            after = [finish for finish in (hook.shutdown(self) for hook in self.hooks.shutdown) if finish is not None]
             try:
                 return super().shutdown(*args, **kwargs)
             finally:
-                executor_zmq.close_message_queues(queues)
-                directory = getattr(self, "transfer_directory", None)
-                if directory:
-                    self.transfer_mappings.close()
-                    transfer.remove_directory(directory)
-                watchdog_directory = getattr(self, "watchdog_directory", None)
-                if watchdog_directory:
-                    watchdog.remove_directory(watchdog_directory)
+                for finish in after:
+                    finish()
 
         def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self.step_log.append([(req_id, int(n)) for req_id, n in scheduler_output.num_scheduled_tokens.items()])
             output = super().execute_model(scheduler_output, *args, **kwargs)
-            if self.sample_after_execute and output is None and hasattr(self, "sample_tokens"):
-                output = self.sample_tokens(None)
+            for hook in self.hooks.after_step:
+                output = hook.after_step(self, output)
             return output
 
     SpecCompatMultiprocExecutor.__qualname__ = SpecCompatMultiprocExecutor.__name__
@@ -206,8 +212,8 @@ def make_executor_class(base: type) -> type:
 
 def installed_executor_class(ctx: Context, patcher: AdapterPatcher) -> type:
     """The spec_compat subclass under the generator's MultiprocExecutor name (installed once),
-    recorded under the adapter that needed it first: ``executor``, listed before the switch adapters,
-    or, when the user disabled it, the first switch adapter that applies."""
+    recorded under the adapter that needed it first: ``executor``, listed before the hook adapters,
+    or, when the user disabled it, the first hook adapter that applies."""
     module = generator_module(ctx)
     current = module.MultiprocExecutor
     if current in _SUBCLASSES.values():
@@ -222,14 +228,39 @@ def installed_executor_class(ctx: Context, patcher: AdapterPatcher) -> type:
     return subclass
 
 
-register_installer(installed_executor_class)
+def install_hook(ctx: Context, patcher: AdapterPatcher, hook: ExecutorHook) -> None:
+    """Register an executor behaviour (the subclass installed first if it is not yet), recorded
+    under the adapter whose apply this is: revert() takes it out again."""
+    subclass = installed_executor_class(ctx, patcher)
+    registered: HookSet = vars(subclass)["hooks"]
+    patcher.replace(subclass, "hooks", registered.adding(hook))
 
 
 # ---- adapter "executor": the subclass, and the worker-side adapters reach its workers ----------------
 
 
-def probe_worker_adapters(ctx: Context) -> Probe:
+class WorkerSetup(ExecutorHook):
+    """The workers start with the options (and the plugin) in their environment and spec_compat's
+    worker entry point (executor_entry.py), so the worker-side adapters run in them."""
+
+    def __init__(self, options_json: str) -> None:
+        self.options_json = options_json
+
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        return self._around_start()
+
+    @contextlib.contextmanager
+    def _around_start(self) -> Iterator[None]:
+        with scoped_environ(executor_entry.worker_env(self.options_json)), executor_entry.worker_entry_point():
+            yield
+
+
+def probe_executor(ctx: Context) -> Probe:
     return Probe(True, "worker processes need the worker-side adapters (spawned workers do not inherit patches)")
+
+
+def apply_executor(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, WorkerSetup(ctx.options.to_json()))
 
 
 EXECUTOR = Adapter(
@@ -242,6 +273,6 @@ EXECUTOR = Adapter(
     patches: vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the adapters below)
     """,
     side="driver",
-    probe=probe_worker_adapters,
-    apply=switch_on("worker_options_json", lambda ctx: ctx.options.to_json()),
+    probe=probe_executor,
+    apply=apply_executor,
 )

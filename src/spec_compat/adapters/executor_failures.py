@@ -1,10 +1,9 @@
 """Failure diagnosis in spec_compat's executor: what a caller sees when a worker fails.
 
-Adapter ``executor-all-ranks-reply``: with ``unique_reply_rank=k`` vLLM reads only rank k's reply,
-so an exception on another rank is logged in that worker and never reaches the caller; every rank
-is asked instead and rank k's reply handed back. Always on in the subclass (adapter ``executor``):
-an encoded worker exception (``loud-worker-errors``) is raised as ``WorkerError`` with the replies
-of later ranks drained, and a worker process that died is named (``WorkerProcessDied``).
+Always on in the subclass (adapter ``executor``, executor.py's own hook): an encoded worker
+exception (``loud-worker-errors``) is raised as ``WorkerError`` with the replies of later ranks
+drained, and a worker process that died is named (``WorkerProcessDied``). Asking every rank for
+its reply is adapter ``executor-all-ranks-reply`` (executor_all_ranks_reply.py).
 """
 
 from __future__ import annotations
@@ -14,11 +13,7 @@ import time
 from typing import Any
 
 from ..errors import WorkerError
-from ..options import Context
 from . import remote_errors
-from .executor_switches import switch_on
-from .probe import Probe
-from .unit import Adapter
 
 DRAIN_TIMEOUT_S = 60.0
 # After a worker's own exception, how long a peer's death may take to show (its exit code): a rank
@@ -91,29 +86,3 @@ def diagnosed(executor: Any, exc: Exception, method: Any, kwargs: dict[str, Any]
             drain_replies_after(executor, decoded.rank)
         return decoded
     return None
-
-
-# ---- executor-all-ranks-reply -----------------------------------------------------------------------
-
-
-def probe_all_ranks_reply(ctx: Context) -> Probe:
-    return Probe(
-        True,
-        "with unique_reply_rank vLLM only reads rank k's reply: an exception on another rank is "
-        "logged in that worker and never reaches the caller",
-    )
-
-
-EXECUTOR_ALL_RANKS_REPLY = Adapter(
-    id="executor-all-ranks-reply",
-    notes="""
-    why: with unique_reply_rank=k an exception on another rank is only logged in that worker
-    vllm change: all releases (vLLM #23985)
-    detect: always
-    delete when: vLLM reports failures from every rank
-    patches: MultiprocExecutor.collective_rpc for speculators' worker methods
-    """,
-    side="driver",
-    probe=probe_all_ranks_reply,
-    apply=switch_on("all_ranks_reply"),
-)

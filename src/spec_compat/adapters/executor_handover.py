@@ -10,23 +10,30 @@ clone can keep those bytes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
 from ..options import Context
+from ..patching import AdapterPatcher
 from . import speculators_code
-from .executor_switches import switch_on
+from .executor import install_hook
+from .executor_hooks import ExecutorHook
 from .probe import Probe
 from .unit import Adapter
 
 
-def handover(executor: Any) -> Any:
-    """The hook: the function DriverMappings.open passes a reply through (None: the switch is off)."""
-    if not executor.states_handover:
-        return None
-    from . import handover as module  # imports torch: only once a reply with tensors arrives
+class StatesHandover(ExecutorHook):
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        """What DriverMappings.open passes each shared-memory reply through (executor.received_states)."""
+        from . import handover  # imports torch, which vLLM's executor has imported already
 
-    return module.as_clone_sources
+        executor.clone_sources = handover.as_clone_sources
+        return None
+
+
+def apply_states_handover(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, StatesHandover())
 
 
 def probe_states_handover(ctx: Context) -> Probe:
@@ -55,6 +62,6 @@ DRIVER_STATES_HANDOVER = Adapter(
     """,
     side="driver",
     probe=probe_states_handover,
-    apply=switch_on("states_handover"),
+    apply=apply_states_handover,
     after=("executor-shared-memory-replies",),
 )

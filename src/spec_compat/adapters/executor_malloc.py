@@ -6,11 +6,16 @@ to the kernel and vLLM's own temporaries fault it in again. The workers keep fre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Any
 
+from ..environ import scoped_environ
 from ..options import Context
-from .executor_switches import switch_on
+from ..patching import AdapterPatcher
+from .executor import install_hook
+from .executor_hooks import ExecutorHook
 from .probe import Probe
 from .unit import Adapter
 
@@ -23,8 +28,20 @@ WORKER_MALLOC_ENV = (
 
 
 def malloc_env(settings: tuple[tuple[str, str], ...]) -> dict[str, str]:
-    """The hook: the settings the workers start with, each only where the user left it unset."""
+    """The settings the workers start with, each only where the user left it unset."""
     return {key: value for key, value in settings if key not in os.environ}
+
+
+class WorkerMalloc(ExecutorHook):
+    def __init__(self, settings: tuple[tuple[str, str], ...] = WORKER_MALLOC_ENV) -> None:
+        self.settings = settings
+
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        return scoped_environ(malloc_env(self.settings))
+
+
+def apply_worker_malloc(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, WorkerMalloc())
 
 
 def probe_worker_malloc(ctx: Context) -> Probe:
@@ -56,5 +73,5 @@ WORKER_MALLOC_RETAIN = Adapter(
     """,
     side="driver",
     probe=probe_worker_malloc,
-    apply=switch_on("worker_malloc_env", WORKER_MALLOC_ENV),
+    apply=apply_worker_malloc,
 )

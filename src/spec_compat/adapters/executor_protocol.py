@@ -8,12 +8,16 @@ Adapters ``executor-reply-shape``, ``executor-sample-tokens``, ``executor-kv-lay
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+from ..environ import scoped_environ
 from ..options import Context
+from ..patching import AdapterPatcher
 from . import speculators_code
-from .executor_switches import switch_on
+from .executor import install_hook
+from .executor_hooks import CORE_STAGE, ExecutorHook, RpcCall
 from .probe import Probe
 from .unit import SPECULATORS_0_3_ONLY, Adapter
 
@@ -28,6 +32,17 @@ def _vllm_returns_bare_value(base: Any) -> bool:
     import inspect
 
     return "kv_output_aggregator" in inspect.signature(base.collective_rpc).parameters
+
+
+class ReplyAsList(ExecutorHook):
+    stage = CORE_STAGE + 20  # last: the shape speculators indexes
+
+    def on_reply(self, executor: Any, call: RpcCall, result: Any) -> Any:
+        return [result] if call.reply_rank is not None else result
+
+
+def apply_reply_shape(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, ReplyAsList())
 
 
 def probe_reply_shape(ctx: Context) -> Probe:
@@ -55,12 +70,23 @@ EXECUTOR_REPLY_SHAPE = Adapter(
     """,
     side="driver",
     probe=probe_reply_shape,
-    apply=switch_on("reply_as_list"),
+    apply=apply_reply_shape,
     # every release: the probe also finds the reverse mismatch (0.4.x on vLLM <= 0.11.0, blocking)
 )
 
 
 # ---- execute_model() + sample_tokens() split (vLLM 0.11.2) -----------------------------------------
+
+
+class SampleAfterExecute(ExecutorHook):
+    def after_step(self, executor: Any, output: Any) -> Any:
+        if output is None and hasattr(executor, "sample_tokens"):
+            return executor.sample_tokens(None)
+        return output
+
+
+def apply_sample_tokens(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, SampleAfterExecute())
 
 
 def probe_sample_tokens(ctx: Context) -> Probe:
@@ -85,7 +111,7 @@ EXECUTOR_SAMPLE_TOKENS = Adapter(
     """,
     side="driver",
     probe=probe_sample_tokens,
-    apply=switch_on("sample_after_execute"),
+    apply=apply_sample_tokens,
     speculators=SPECULATORS_0_3_ONLY,
 )
 
@@ -94,12 +120,21 @@ EXECUTOR_SAMPLE_TOKENS = Adapter(
 
 
 def resolve_kv_cache_layout(executor: Any) -> None:
-    """The hook, once the workers are up: the layout resolved and published as the engine core does."""
+    """Once the workers are up: the layout resolved and published as the engine core does."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout as resolve
 
     specs = [spec for worker_specs in executor.get_kv_cache_specs() for spec in worker_specs.values()]
     layout = resolve(executor.vllm_config, executor.get_supported_kv_cache_layouts(), specs)
     executor.set_kv_cache_layout(layout.name)
+
+
+class ResolveKvLayout(ExecutorHook):
+    def started(self, executor: Any) -> None:
+        resolve_kv_cache_layout(executor)
+
+
+def apply_kv_layout(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, ResolveKvLayout())
 
 
 def probe_kv_layout(ctx: Context) -> Probe:
@@ -125,16 +160,21 @@ EXECUTOR_KV_LAYOUT = Adapter(
     """,
     side="driver",
     probe=probe_kv_layout,
-    apply=switch_on("resolve_kv_layout"),
+    apply=apply_kv_layout,
 )
 
 
 # ---- Model Runner V2 has no input_batch (default from 0.22.1 on GPU) ----------------------------------
 
 
-def v1_runner_env(force: bool) -> dict[str, str]:
-    """The hook: ``VLLM_USE_V2_MODEL_RUNNER=0`` for the workers' start, unless the user set it."""
-    return {V2_RUNNER_ENV: "0"} if force and V2_RUNNER_ENV not in os.environ else {}
+class ForceV1ModelRunner(ExecutorHook):
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        """``VLLM_USE_V2_MODEL_RUNNER=0`` for the workers' start, unless the user set it."""
+        return None if V2_RUNNER_ENV in os.environ else scoped_environ({V2_RUNNER_ENV: "0"})
+
+
+def apply_v1_model_runner(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, ForceV1ModelRunner())
 
 
 def probe_v1_model_runner(ctx: Context) -> Probe:
@@ -165,5 +205,5 @@ EXECUTOR_MODEL_RUNNER_V1 = Adapter(
     """,
     side="driver",
     probe=probe_v1_model_runner,
-    apply=switch_on("force_v1_model_runner"),
+    apply=apply_v1_model_runner,
 )

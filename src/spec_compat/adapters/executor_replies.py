@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..options import Context
+from ..patching import AdapterPatcher
 from . import speculators_code
-from .executor_switches import switch_on
+from .executor import install_hook
+from .executor_hooks import CORE_STAGE, ExecutorHook, RpcCall
 from .probe import Probe
 from .unit import Adapter
 
@@ -40,8 +42,19 @@ class ReadOnceReply(dict):  # type: ignore[type-arg]
 
 
 def read_once(result: Any) -> Any:
-    """The hook: a dict reply (rank k's, of speculators' RPC) as a ReadOnceReply; anything else as is."""
+    """A dict reply (rank k's, of speculators' RPC) as a ReadOnceReply; anything else as is."""
     return ReadOnceReply(result) if type(result) is dict else result
+
+
+class ReadOnce(ExecutorHook):
+    stage = CORE_STAGE + 10  # the mapped states' dict, before any reshaping for the caller
+
+    def on_reply(self, executor: Any, call: RpcCall, result: Any) -> Any:
+        return read_once(result) if call.reply_rank is not None else result
+
+
+def apply_read_once_reply(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, ReadOnce())
 
 
 def probe_read_once_reply(ctx: Context) -> Probe:
@@ -67,5 +80,5 @@ RPC_REPLY_READ_ONCE = Adapter(
     """,
     side="driver",
     probe=probe_read_once_reply,
-    apply=switch_on("read_once_replies"),
+    apply=apply_read_once_reply,
 )

@@ -8,42 +8,49 @@ scan when the worker checked on the device).
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import functools
 import sys
+import weakref
+from collections.abc import Callable
 from typing import Any
 
-from .. import timing
+from ..environ import scoped_environ
 from ..options import Context
-from . import executor_handover, transfer
-from .executor_switches import switch_on
+from ..patching import AdapterPatcher
+from . import transfer
+from .executor import install_hook
+from .executor_hooks import CORE_STAGE, ExecutorHook
 from .probe import Probe
 from .unit import Adapter
 
-logger = logging.getLogger("spec_compat.executor")
-STATE_REPLIES = (transfer.SharedStates, transfer.InlineStates)
+
+class SharedMemoryReplies(ExecutorHook):
+    """A transfer directory for the workers (their replies then describe segments in it, which the
+    subclass maps: executor.received_states), removed at shutdown."""
+
+    stage = CORE_STAGE - 30  # its directory goes after the message queues, before the watchdog's
+
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        directory = transfer.make_directory()
+        weakref.finalize(executor, transfer.remove_directory, directory)
+        executor.transfer_directory = directory
+        executor.transfer_mappings = transfer.DriverMappings(directory)
+        return scoped_environ({transfer.TRANSFER_DIR_ENV: directory})
+
+    def shutdown(self, executor: Any) -> Callable[[], None] | None:
+        return functools.partial(close_transfer, executor)
 
 
-def received_states(executor: Any, result: Any, own_time: timing.OwnTime) -> Any:
-    """The hook on a reply of speculators' RPC: shared-memory descriptors replaced by the tensors
-    they describe; replies checked finite on the worker (or not) counted."""
-    if isinstance(result, list) and any(isinstance(r, STATE_REPLIES) for r in result):
-        return [received_states(executor, r, own_time) for r in result]
-    if isinstance(result, STATE_REPLIES):
-        timing.add_all(result.timings)
-        executor.states_replies["verified" if result.all_finite else "unverified"] += 1
-        if isinstance(result, transfer.SharedStates):
-            with own_time.excluded(), timing.timed("transfer:driver-map"):
-                return executor.transfer_mappings.open(result, executor_handover.handover(executor))
-        if executor.transfer_fallback_reason is None:
-            executor.transfer_fallback_reason = result.reason
-            logger.warning(
-                "spec_compat: captured states came back through vLLM's RPC instead of shared memory (slower): %s",
-                result.reason,
-            )
-        return result.value
-    if result is not None and transfer.flatten(result)[1]:
-        executor.states_replies["unverified"] += 1
-    return result
+def close_transfer(executor: Any) -> None:
+    directory = getattr(executor, "transfer_directory", None)
+    if directory:
+        executor.transfer_mappings.close()
+        transfer.remove_directory(directory)
+
+
+def apply_shared_memory_replies(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, SharedMemoryReplies())
 
 
 def probe_shared_memory_replies(ctx: Context) -> Probe:
@@ -69,5 +76,5 @@ EXECUTOR_SHARED_MEMORY_REPLIES = Adapter(
     """,
     side="driver",
     probe=probe_shared_memory_replies,
-    apply=switch_on("shared_memory_replies"),
+    apply=apply_shared_memory_replies,
 )

@@ -9,11 +9,15 @@ vLLM 0.29 at the first gc.collect() after shutdown).
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from ..options import Context
+from ..patching import AdapterPatcher
 from . import speculators_code
-from .executor_switches import switch_on
+from .executor import install_hook
+from .executor_hooks import CORE_STAGE, ExecutorHook
 from .probe import Probe
 from .unit import Adapter
 
@@ -52,6 +56,18 @@ def close_message_queues(queues: list[Any]) -> None:
                 context.destroy(linger=0)
 
 
+class CloseQueues(ExecutorHook):
+    stage = CORE_STAGE - 40  # first after vLLM's shutdown
+
+    def shutdown(self, executor: Any) -> Callable[[], None] | None:
+        # Collected first: vLLM's shutdown() drops its references to the queues (sets them to None).
+        return functools.partial(close_message_queues, message_queues(executor))
+
+
+def apply_close_queues(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, CloseQueues())
+
+
 def closes_sockets_without_linger(tree: ast.AST) -> bool:
     """Does the module call ``<socket>.close(linger=0)`` anywhere?"""
     return any(
@@ -88,5 +104,5 @@ EXECUTOR_CLOSE_QUEUES = Adapter(
     """,
     side="driver",
     probe=probe_close_queues,
-    apply=switch_on("close_queues_on_shutdown"),
+    apply=apply_close_queues,
 )

@@ -12,7 +12,7 @@ from ..options import Context
 from ..patching import AdapterPatcher
 from . import speculators_code
 from .driver_calls import KeywordSignature, install_call_adapter, override_keyword
-from .executor_switches import executor_for
+from .executor_hooks import executor_for
 from .probe import Probe
 from .speculators_code import generator_module
 from .unit import Adapter

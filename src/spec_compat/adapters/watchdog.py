@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import logging
 import os
 import shutil
@@ -34,14 +35,16 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
+from ..environ import scoped_environ
 from ..errors import WorkerTimeout
 from ..options import Context
 from ..patching import AdapterPatcher
-from .executor_switches import switch_on
+from .executor import install_hook
+from .executor_hooks import CORE_STAGE, ExecutorHook, RpcCall
 from .generate import Run, wrap_generate
 from .probe import Probe
 from .unit import Adapter
@@ -56,7 +59,6 @@ STEP_TIMEOUT_ENV = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"  # vLLM's own deadline o
 STACK_WAIT_S = 3.0  # how long the driver waits for the stack dumps
 REPLY_PROBE_S = 0.5  # a rank whose reply was not read yet: is one queued behind a stuck rank?
 PY_SPY_TIMEOUT_S = 20.0
-STUCK_TERM_AFTER_S = 1.0  # silent ranks get SIGTERM this long after the engine's shutdown began
 INTERRUPT_GRACE_S = 2.0  # after SIGINT/SIGTERM: workers still running this long into the shutdown get SIGTERM
 
 
@@ -252,6 +254,50 @@ def probe_rpc_deadline(ctx: Context) -> Probe:
     )
 
 
+class RpcDeadline(ExecutorHook):
+    """``timeout_s`` on generate()'s RPCs, the replies counted per rank, a timeout reported."""
+
+    stage = CORE_STAGE - 10  # its TimeoutError is reported before the subclass diagnoses errors
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def start(self, executor: Any) -> contextlib.AbstractContextManager[object] | None:
+        executor.replies_read = []  # replies read per rank (counted once the workers are up)
+        directory = executor.watchdog_directory = make_directory()
+        weakref.finalize(executor, remove_directory, directory)
+        executor.deadlined_methods = deadlined_methods(executor.extension_methods)
+        # vLLM's own model-step deadline is replaced (too short for a first step without
+        # warm-up) unless the user set it.
+        executor.keep_step_timeout = STEP_TIMEOUT_ENV in os.environ
+        return scoped_environ({WATCHDOG_DIR_ENV: directory})
+
+    def started(self, executor: Any) -> None:
+        executor.replies_read = [0] * len(getattr(executor, "response_mqs", None) or [])
+        count_replies(executor.response_mqs, executor.replies_read)
+
+    def before_rpc(self, executor: Any, call: RpcCall) -> None:
+        call.read_before = with_deadline(executor, self.timeout_s, call.method, call.args, call.kwargs)
+
+    def on_error(self, executor: Any, call: RpcCall, exc: Exception) -> BaseException | None:
+        if isinstance(exc, TimeoutError) and call.read_before is not None:
+            return timeout_error(executor, call.method, call.kwargs, call.read_before)
+        return None
+
+    def shutdown(self, executor: Any) -> Callable[[], None] | None:
+        return functools.partial(remove_watchdog_directory, executor)
+
+
+def remove_watchdog_directory(executor: Any) -> None:
+    directory = getattr(executor, "watchdog_directory", None)
+    if directory:
+        remove_directory(directory)
+
+
+def apply_rpc_deadline(ctx: Context, patcher: AdapterPatcher) -> None:
+    install_hook(ctx, patcher, RpcDeadline(ctx.options.rpc_timeout_s))
+
+
 EXECUTOR_RPC_DEADLINE = Adapter(
     id="executor-rpc-deadline",
     notes="""
@@ -267,16 +313,17 @@ EXECUTOR_RPC_DEADLINE = Adapter(
     """,
     side="driver",
     probe=probe_rpc_deadline,
-    apply=switch_on("rpc_timeout_s", lambda ctx: ctx.options.rpc_timeout_s),
+    apply=apply_rpc_deadline,
 )
 
 
-def with_deadline(executor: Any, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
-    """The hook before an RPC: the deadline put into ``kwargs['timeout']`` where it applies; returns
-    the replies read per rank so far (None: no deadline on this call)."""
+def with_deadline(
+    executor: Any, timeout_s: float, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[int] | None:
+    """Before an RPC: the deadline put into ``kwargs['timeout']`` where it applies; returns the
+    replies read per rank so far (None: no deadline on this call)."""
     if (
-        executor.rpc_timeout_s is None
-        or args  # a positional timeout
+        args  # a positional timeout
         or not isinstance(method, str)
         or method not in executor.deadlined_methods
         or kwargs.get("non_block") is True
@@ -284,14 +331,14 @@ def with_deadline(executor: Any, method: Any, args: tuple[Any, ...], kwargs: dic
         return None
     caller = kwargs.get("timeout")
     if caller is None or (method in MODEL_STEPS and not executor.keep_step_timeout):
-        kwargs["timeout"] = executor.rpc_timeout_s
+        kwargs["timeout"] = timeout_s
     else:
-        kwargs["timeout"] = min(caller, executor.rpc_timeout_s)
+        kwargs["timeout"] = min(caller, timeout_s)
     return list(executor.replies_read)
 
 
 def timeout_error(executor: Any, method: str, kwargs: dict[str, Any], read_before: list[int]) -> WorkerTimeout:
-    """The hook when the deadline passed: who answered, every silent rank's stacks and process
+    """When the deadline passed: who answered, every silent rank's stacks and process
     state, then the engine shut down (``executor.spec_compat_stop``)."""
     timeout_s = float(kwargs["timeout"])
     handles = {h.rank: h for h in list(getattr(executor, "workers", None) or [])}
@@ -336,25 +383,6 @@ def kill_workers(executor: Any) -> None:
         if proc is not None and proc.exitcode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(proc.pid, signal.SIGKILL)
-
-
-def end_stuck_later(procs: list[Any], term_after_s: float = STUCK_TERM_AFTER_S, kill_after_s: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL, the processes of ranks that never answered, from a helper thread once
-    the executor's own shutdown is under way (they would not exit on vLLM's graceful request)."""
-
-    def end() -> None:
-        time.sleep(term_after_s)
-        for proc in procs:
-            if proc.exitcode is None:
-                proc.terminate()
-        until = time.monotonic() + kill_after_s
-        while any(p.exitcode is None for p in procs) and time.monotonic() < until:
-            time.sleep(0.05)
-        for proc in procs:
-            if proc.exitcode is None:
-                proc.kill()
-
-    threading.Thread(target=end, name="spec_compat-end-stuck-ranks", daemon=True).start()
 
 
 class SignalShutdown:
