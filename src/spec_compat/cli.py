@@ -6,6 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# extract's --format choices, without importing the extract package (torch-free, but not needed by doctor / run)
+EXTRACT_FORMATS = ("speculators-v1", "speculators-hs")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spec-compat", description="speculators' hidden-state generator on any vLLM")
@@ -42,7 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--on-error", choices=["stop", "skip"], default="stop")
     extract.add_argument("--dtype", default=None, help="model dtype (default: speculators' 'auto')")
     extract.add_argument(
-        "--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the saved states"
+        "--save-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32", "fp8"],
+        help="dtype of the saved states (fp8: float8_e4m3fn with a float32 scale per token, as speculators' FP8 "
+        "connector writes; its error against bf16 goes into the manifest)",
+    )
+    extract.add_argument(
+        "--format",
+        default="speculators-v1",
+        choices=list(EXTRACT_FORMATS),
+        help="speculators-v1: data_{i}.pt, for speculators 0.3 / 0.4; speculators-hs: a dataset with "
+        "hidden_states/hs_{i}.safetensors, for speculators >= 0.5 (docs/extract.md)",
     )
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     extract.add_argument(
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         same_name = (
             "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",
             "text_field", "ids_field", "on_error", "dtype", "save_dtype", "gpu_memory_utilization", "zip_crc32",
-            "conversations", "seed",
+            "conversations", "seed", "format",
         )  # fmt: skip
         config = ExtractConfig(
             **{name: getattr(args, name) for name in same_name},
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             if args.replicas is not None:
-                from .distributed import run_distributed
+                from .extract.distributed import run_distributed
 
                 return run_distributed(config, args.replicas, args.ray_address, args.max_retries)
             return run_extract(config)

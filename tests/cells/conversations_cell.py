@@ -21,7 +21,7 @@ def main(spec_path: str, out_path: str) -> None:
     from spec_compat.extract import ExtractConfig
 
     try:
-        from spec_compat.conversations import conversation_samples
+        from spec_compat.extract.conversations import conversation_samples
 
         runs = {}
         for shard in spec.get("shards", [[0, 1]]):

@@ -1,4 +1,4 @@
-"""``spec_compat.distributed.Job`` against a fake Ray (no engine): queue, retries, halves, exactly once."""
+"""``spec_compat.extract.distributed.Job`` against a fake Ray (no engine): queue, retries, halves, exactly once."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from spec_compat.distributed import TMP_DIR, Job, cpu_binding
 from spec_compat.extract import ExtractConfig, Manifest, Sample
+from spec_compat.extract.distributed import TMP_DIR, Job, cpu_binding
 
 
 class Ref:
@@ -145,3 +145,23 @@ def test_on_error_stop_stops_after_the_failed_sample(tmp_path: Path) -> None:
 )
 def test_cpu_binding_splits_the_cores(slot: int, tp: int, replicas: int, cpus: int, expected: str) -> None:
     assert cpu_binding(slot, tp, replicas, cpus) == expected
+
+
+def test_speculators_hs_files_get_their_row_names_from_the_driver(tmp_path: Path) -> None:
+    """The driver names each replica's file as the single-process run does: hidden_states/hs_{row}, by the
+    sample's row (here idx 2k: every other line of the input), and fsyncs that folder before the manifest."""
+    config = ExtractConfig(model="m", input=tmp_path / "in.jsonl", output=tmp_path / "out", layer_ids=[0, 1],
+                           batch_size=4, fsync=True, format="speculators-hs")  # fmt: skip
+    (config.output / "hidden_states").mkdir(parents=True)
+    todo = [Sample(2 * row, [1] * (row + 1), row=row) for row in range(6)]
+    manifest = Manifest(config.output, {"format": "speculators-hs", "model": "m", "layer_ids": [0, 1], "run": {}})
+    job = Job(FakeRay(set()), config, manifest, todo, 2, 2, local=False, new_manifest=True)
+    job.run()
+    listed = job.manifest.data["samples"]
+    assert {k: v["file"] for k, v in listed.items()} == {
+        str(2 * row): f"hidden_states/hs_{row}.safetensors" for row in range(6)
+    }
+    assert sorted(p.name for p in (config.output / "hidden_states").iterdir()) == sorted(
+        f"hs_{row}.safetensors" for row in range(6)
+    )
+    assert job.bytes == 6 * 8

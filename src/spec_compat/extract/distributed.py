@@ -1,14 +1,14 @@
 """``spec-compat extract --replicas N``: the same extraction over Ray, one generator per replica.
 
-Driver (this process): checks the dataset before anything loads (``extract.checked_samples``),
-owns ``manifest.json``, plans the batches a single-process run would (``extract.plan_batches``)
+Driver (this process): checks the dataset before anything loads (``dataset.checked_samples``),
+owns ``manifest.json``, plans the batches a single-process run would (``batching.plan_batches``)
 and hands them out from one queue to whichever replica has room (at most ``--pending-batches``
 each), so a fast replica takes more.
 
 Replica (a Ray actor: one process and its vLLM workers): ``spec_compat.apply()`` before
 speculators is imported (its vLLM workers get the worker side through spec_compat's plugin, as in
 a single-process run), one untouched ``VllmHiddenStatesGenerator``; a batch runs with bad samples
-isolated (``extract.generate_isolating``), each ``data_{idx}.pt`` is written under a temporary
+isolated (``batching.generate_isolating``), each sample's file (in its format) is written under a temporary
 directory unique to the attempt (fsync'd, sha256 of the bytes written) and the replica
 returns (idx, temporary name, tokens, sha256, size).
 
@@ -32,217 +32,31 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
-import socket
 import sys
-import threading
 import time
-import traceback
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .extract import (
-    MANIFEST,
-    STATS,
-    ExtractConfig,
-    ExtractError,
-    Interrupted,
-    Manifest,
-    Sample,
-    WriteFailed,
-    _kill_children,
-    _write_json_atomic,
-    checked_samples,
-    direct_io_staging,
-    disable_zip_crc32,
-    fsync_directory,
-    generate_isolating,
-    open_manifest,
-    plan_batches,
-    provenance,
-    sample_file_name,
-    sample_payloads,
-    write_sample_unrenamed,
-)
+from . import formats
+from .batching import plan_batches
+from .config import MANIFEST, STATS, ExtractConfig, ExtractError, Sample, WriteFailed
+from .dataset import checked_samples
+from .files import _write_json_atomic
+from .manifest import Manifest, open_manifest, provenance
+from .replica import TMP_DIR, Replica, _one_line
+from .signals import SIGNALS, Interrupted
+from .slots import Slot, WorkItem, after_engine_death, cpu_binding, print_summary, progress_line, summary_rows
+from .writer import adopt_files, record_written
 
-# a replica's files until the driver renames them: {output}/TMP_DIR/{batch}-{attempt}/data_{idx}.pt.tmp (the
-# same base name as a single-process run's temporary file: torch.save names the archive's records after it, so
-# both runs write the same bytes)
-TMP_DIR = ".spec-compat-replicas"
 POLL_S = 0.5  # ray.wait timeout: how often progress is redrawn and a signal is noticed
 SHUTDOWN_WAIT_S = 30.0  # replicas' engine shutdown at the end (an interrupted job: a third of it)
 DEFAULT_MAX_RETRIES = 2
 NO_RAY = "--replicas needs Ray, which is not installed: pip install 'spec-compat[ray]' (or: pip install ray)"
 
 
-def _one_line(exc: BaseException | str) -> str:
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if isinstance(exc, BaseException) else first
-
-
-class Replica:
-    """One generator in a Ray actor's process (``ray.remote(Replica)`` in ``run_distributed``).
-
-    Threaded (``max_concurrency``): one batch generates (under ``lock``) while the previous one's
-    files are written, and ``info`` / ``shutdown`` answer while a batch runs. The constructor never
-    raises: a failure is kept in ``start_error`` and reported by ``info()``, as one line."""
-
-    def __init__(self, config: ExtractConfig, slot: int, cpu_bind: str | None) -> None:
-        started = time.perf_counter()
-        self.config = config
-        self.slot = slot
-        self.lock = threading.Lock()
-        self.lost: str | None = None  # why the engine can run no more batches
-        self.generator: Any = None
-        self.start_error: str | None = None
-        self.report: Any = None
-        self.pool = ThreadPoolExecutor(max(1, config.writer_threads), thread_name_prefix="spec-compat-writer")
-        self.staging = direct_io_staging(config.output) if config.direct_io else None  # O_DIRECT writes
-        if cpu_bind is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind  # the vLLM workers this process starts
-        try:
-            import spec_compat
-
-            self.report = spec_compat.apply(strict=True, dtype=config.dtype)
-
-            import torch
-            from speculators.data_generation import VllmHiddenStatesGenerator
-
-            self.save_dtype = getattr(torch, config.save_dtype)
-            if not config.zip_crc32:
-                disable_zip_crc32()
-            self.generator = VllmHiddenStatesGenerator(
-                config.model,
-                layer_ids=config.layer_ids,
-                max_model_len=config.max_model_len,
-                tensor_parallel_size=config.tensor_parallel_size,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-            )
-        except Exception as exc:  # noqa: BLE001 - reported by info(), the driver decides
-            self.start_error = _one_line(exc)
-            sys.stderr.write(traceback.format_exc())
-        self.engine_start_s = time.perf_counter() - started
-
-    def info(self) -> dict[str, Any]:
-        workers = list(getattr(getattr(self.generator, "executor", None), "workers", None) or [])
-        max_seqs = getattr(getattr(self.generator, "scheduler", None), "max_num_running_reqs", 0)
-        return {
-            "error": self.start_error,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "worker_pids": [h.proc.pid for h in workers if getattr(h, "proc", None) is not None],
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "cpu_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-            "max_num_seqs": int(max_seqs or 0),
-            "engine_start_s": self.engine_start_s,
-            "environment": self.report.env.as_dict() if self.report is not None else {},
-            "applied": list(self.report.applied) if self.report is not None else [],
-        }
-
-    def run_batch(self, batch: int, attempt: int, samples: list[Sample]) -> dict[str, Any]:
-        """Generate and write one batch; ``lost`` (with ``ran``: this batch was the one running)
-        when the engine can run no more, ``write_failed`` when a file could not be written."""
-        output, sync = self.config.output, self.config.fsync
-        with self.lock:
-            if self.lost is not None:
-                return {"lost": self.lost, "ran": False}
-            started = time.perf_counter()
-            try:
-                good, failed = generate_isolating(self.generator.generate, samples)
-            except Exception as exc:  # noqa: BLE001 - generate_isolating raises only errors that leave no engine
-                self.lost = _one_line(exc)
-                self._stop_engine()
-                return {"lost": self.lost, "ran": True}
-            generate_s = time.perf_counter() - started
-            payloads = sample_payloads(good, self.save_dtype)
-            del good
-        written_started = time.perf_counter()
-        futures: list[tuple[int, str, Future[tuple[int, str]]]] = []
-        attempt_dir = f"{TMP_DIR}/{batch}-{attempt}"
-        (output / attempt_dir).mkdir(parents=True, exist_ok=True)
-        for idx, payload in payloads:
-            tmp = f"{attempt_dir}/{sample_file_name(idx)}.tmp"
-            future = self.pool.submit(write_sample_unrenamed, output, idx, payload, tmp, sync, self.staging)
-            futures.append((idx, tmp, future))
-        del payloads
-        written: list[tuple[int, str, int, str, int]] = []
-        problem: str | None = None
-        for idx, tmp, future in futures:
-            try:
-                tokens, digest = future.result()
-                written.append((idx, tmp, tokens, digest, (output / tmp).stat().st_size))
-            except (WriteFailed, OSError) as exc:
-                problem = problem or str(exc)
-        if problem is not None:
-            for _, tmp, _ in futures:
-                (output / tmp).unlink(missing_ok=True)
-            return {"write_failed": problem}
-        return {
-            "written": written,
-            "failed": [(sample.idx, detail) for sample, detail in failed],
-            "generate_s": generate_s,
-            "write_s": time.perf_counter() - written_started,
-        }
-
-    def _stop_engine(self) -> None:
-        executor = getattr(self.generator, "executor", None)
-        if executor is not None:
-            with contextlib.suppress(Exception):  # the engine is being given up anyway
-                executor.shutdown()
-
-    def shutdown(self) -> None:
-        self._stop_engine()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-@dataclass
-class WorkItem:
-    id: int
-    samples: list[Sample]
-    tokens: int
-    deaths: int = 0  # engines that died while this batch was the one running
-    attempts: int = 0
-
-
-@dataclass
-class Slot:
-    """A replica's place in the job, across the actors that fill it (a restart is a new actor)."""
-
-    index: int
-    actor: Any = None
-    state: str = "starting"  # starting, ready, failed (start failed, not retried yet), retired
-    in_flight: dict[Any, WorkItem] = field(default_factory=dict)  # ObjectRef -> batch, oldest first
-    start_failures: int = 0  # in a row
-    restarts: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-    first_ready: float | None = None
-    batches: int = 0
-    samples: int = 0
-    tokens: int = 0
-    generate_s: float = 0.0
-    engine_start_s: list[float] = field(default_factory=list)
-    last_error: str | None = None
-
-
 def _absolute_if_local(model: str) -> str:
     return str(Path(model).resolve()) if Path(model).exists() else model
-
-
-def cpu_binding(slot: int, tp: int, replicas: int, cpus: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for one replica of a local CPU job: each of its TP ranks gets its
-    own share of the cores ("0-3|4-7"), replicas side by side (more ranks than cores share)."""
-    share = max(1, cpus // max(1, replicas * tp))
-    ranks = []
-    for rank in range(tp):
-        first = ((slot * tp + rank) * share) % cpus
-        last = min(first + share, cpus) - 1
-        ranks.append(str(first) if first == last else f"{first}-{last}")
-    return "|".join(ranks)
 
 
 class Job:
@@ -266,6 +80,8 @@ class Job:
         self.max_retries = max_retries
         self.new_manifest = new_manifest
         self.limit = config.max_model_len - 1
+        self.fmt = formats.get(config)
+        self.bytes = 0  # the samples' files recorded
         self.total_samples = len(todo)
         self.total_tokens = sum(min(len(s.input_ids), self.limit) for s in todo)
         self.slots = [Slot(i) for i in range(replicas)]
@@ -370,28 +186,15 @@ class Job:
         slot.restarts += 1
         slot.last_error = reason
         assert self.queue is not None
-        requeue: list[WorkItem] = []
-        for item in items:
-            if item is not culprit:
-                requeue.append(item)
-                continue
-            item.deaths += 1
-            if item.deaths <= self.max_retries:
-                requeue.append(item)
-            elif len(item.samples) > 1:  # one of its samples may take the engine down: halves, one attempt each
-                half = len(item.samples) // 2
-                for part in (item.samples[:half], item.samples[half:]):
-                    tokens = sum(min(len(s.input_ids), self.limit) for s in part)
-                    requeue.append(WorkItem(self.next_id, part, tokens, deaths=self.max_retries))
-                    self.next_id += 1
-            else:
-                sample = item.samples[0]
-                self.failures += 1
-                self.manifest.fail([sample.idx], f"an engine died while running it, {item.deaths} times: {reason}")
-                self.manifest.save(self.config.fsync)
-                _say(f"sample {sample.idx} failed: an engine died while running it, {item.deaths} times ({reason})")
-                if self.config.on_error == "stop":
-                    self.stopping = True
+        requeue, given_up, self.next_id = after_engine_death(items, culprit, self.max_retries, self.limit, self.next_id)
+        if given_up is not None:
+            sample = given_up.samples[0]
+            self.failures += 1
+            self.manifest.fail([sample.idx], f"an engine died while running it, {given_up.deaths} times: {reason}")
+            self.manifest.save(self.config.fsync)
+            _say(f"sample {sample.idx} failed: an engine died while running it, {given_up.deaths} times ({reason})")
+            if self.config.on_error == "stop":
+                self.stopping = True
         self.queue.extendleft(reversed(requeue))
         _say(
             f"replica {slot.index} lost ({reason}) while running batch {culprit.id} ({len(culprit.samples)} samples): "
@@ -433,31 +236,17 @@ class Job:
         self.record(slot, item, result)
 
     def record(self, slot: Slot, item: WorkItem, result: dict[str, Any]) -> None:
-        output, listed = self.config.output, self.manifest.data["samples"]
-        renamed: list[tuple[int, str, int, str]] = []
-        for idx, tmp, tokens, digest, size in result["written"]:
-            path = output / tmp
-            if str(idx) in listed:  # a duplicate (cannot happen with one queue; kept exactly once regardless)
-                path.unlink(missing_ok=True)
-                continue
-            try:
-                seen = path.stat().st_size
-            except FileNotFoundError:
-                raise ExtractError(
-                    f"replica {slot.index} on {slot.info.get('host')} wrote {path}, which this machine cannot see: "
-                    "--output must be a directory every node shares"
-                ) from None
-            if seen != size:
-                raise WriteFailed(f"{path}: replica {slot.index} wrote {size} bytes, {seen} are on the disk")
-            name = sample_file_name(idx)
-            os.replace(path, output / name)
-            renamed.append((idx, name, tokens, digest))
-        if renamed and self.config.fsync:
-            fsync_directory(output)  # the renames, before the manifest names the files
-        if result["written"]:
-            shutil.rmtree(output / Path(result["written"][0][1]).parent, ignore_errors=True)
-        for idx, name, tokens, digest in renamed:
-            self.manifest.record(idx, name, tokens, digest)
+        rows = {sample.idx: sample.row for sample in item.samples}
+        adopted = adopt_files(
+            self.config.output,
+            result["written"],
+            self.manifest.data["samples"],
+            lambda idx: self.fmt.file_name(idx, rows.get(idx)),
+            f"replica {slot.index}",
+            str(slot.info.get("host")),
+        )
+        record_written(self.manifest, self.config.output, adopted, self.config.fsync)
+        self.bytes += sum(saved.size for _, _, saved in adopted)
         for idx, detail in result["failed"]:
             self.failures += 1
             self.manifest.fail([idx], detail)
@@ -466,7 +255,7 @@ class Job:
                 self.stopping = True
         self.manifest.save(self.config.fsync)
         slot.batches += 1
-        slot.samples += len(renamed)
+        slot.samples += len(adopted)
         slot.tokens += item.tokens
         slot.generate_s += result["generate_s"]
         self.done_samples += len(item.samples)
@@ -474,21 +263,8 @@ class Job:
         self.progress()
 
     def progress(self) -> None:
-        now = time.perf_counter()
-        elapsed = max(now - (self.started or now), 1e-9)
-        rate = self.done_tokens / elapsed
-        eta = (self.total_tokens - self.done_tokens) / rate if rate > 0 else float("inf")
-        width = 30
-        filled = int(width * self.done_samples / max(self.total_samples, 1))
-        per = " ".join(
-            f"r{s.index} {s.samples} ({s.tokens / max(now - s.first_ready, 1e-9):,.0f} tok/s)"
-            for s in self.slots
-            if s.first_ready is not None
-        )
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done_samples}/{self.total_samples} samples "
-            f"{rate:,.0f} tok/s ETA {eta:,.0f}s | {per}   "
-        )
+        sys.stderr.write(progress_line(self.slots, self.done_samples, self.total_samples, self.done_tokens,
+                                       self.total_tokens, self.started))  # fmt: skip
         sys.stderr.flush()
 
     # --- the loop --------------------------------------------------------------------------
@@ -530,78 +306,7 @@ class Job:
             self._kill(slot)
 
     def summary(self) -> list[dict[str, Any]]:
-        now = self.finished or time.perf_counter()
-        rows = []
-        for s in self.slots:
-            busy = now - s.first_ready if s.first_ready is not None else 0.0
-            rows.append(
-                {
-                    "replica": s.index,
-                    "host": s.info.get("host"),
-                    "gpus": s.info.get("gpus"),
-                    "cpu_bind": s.info.get("cpu_bind"),
-                    "batches": s.batches,
-                    "samples": s.samples,
-                    "tokens": s.tokens,
-                    "tokens_per_s": s.tokens / busy if busy > 0 else None,
-                    "generate_s": s.generate_s,
-                    "engine_start_s": s.engine_start_s,
-                    "restarts": s.restarts,
-                    "state": s.state,
-                    "last_error": s.last_error,
-                }
-            )
-        return rows
-
-
-class Signals:
-    """First SIGINT / SIGTERM: ``Interrupted`` where the main thread is, or at the end of a
-    ``deferred()`` block (recording a batch: no half-renamed batch, no stray manifest temporary);
-    second: kill every child process (the local Ray, replicas, vLLM workers) and exit at once."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending: int | None = None
-        self.previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous[signum] = signal.signal(signum, self._first)
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous.clear()
-        self.pending, self.depth = None, 0
-
-    def _first(self, signum: int, frame: Any) -> None:
-        for each in self.previous:
-            signal.signal(each, self._force)
-        if self.depth:
-            self.pending = signum
-            return
-        raise Interrupted(signum)
-
-    def _force(self, signum: int, frame: Any) -> None:
-        sys.stderr.write(f"\nspec-compat extract: second {signal.Signals(signum).name}: exiting now\n")
-        _kill_children()
-        os._exit(128 + signum)
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if not self.depth and self.pending is not None:
-            signum, self.pending = self.pending, None
-            raise Interrupted(signum)
-
-
-SIGNALS = Signals()
+        return summary_rows(self.slots, self.finished or time.perf_counter())
 
 
 class ReplicasLost(WriteFailed):
@@ -646,7 +351,7 @@ def run_distributed(
         return 2
     todo_all, bad = checked
     shutil.rmtree(config.output / TMP_DIR, ignore_errors=True)  # attempts of an earlier job
-    from .detect import detect
+    from ..detect import detect
 
     new_manifest = not (config.output / MANIFEST).exists()
     manifest, todo = open_manifest(config, provenance(config, detect().as_dict(), []), todo_all, bad)
@@ -678,19 +383,7 @@ def run_distributed(
     assert job is not None
     extract_s = (job.finished or time.perf_counter()) - job.started if job.started is not None else 0.0
     rows = job.summary()
-    for row in rows:
-        restarts = f", {row['restarts']} restart(s) (last: {row['last_error']})" if row["restarts"] else ""
-        if not row["engine_start_s"]:
-            why = row["last_error"] or "still starting when the work ran out"
-            print(f"spec-compat extract: replica {row['replica']}: ran no batch ({why}){restarts}", file=sys.stderr)
-            continue
-        starts = ", ".join(f"{s:.1f}" for s in row["engine_start_s"])
-        print(
-            f"spec-compat extract: replica {row['replica']} ({row['host']}): {row['batches']} batches, "
-            f"{row['samples']} samples, {row['tokens']:,} tokens, {row['tokens_per_s'] or 0:,.0f} tok/s "
-            f"(generating {row['generate_s']:.1f} s), engine start {starts} s{restarts}",
-            file=sys.stderr,
-        )
+    print_summary(rows)
     if interrupted is not None:
         print(
             f"spec-compat extract: interrupted by {interrupted.args[0]}: {len(manifest.data['samples'])} sample(s) "
@@ -704,6 +397,9 @@ def run_distributed(
         "batches": sum(r["batches"] for r in rows),
         "extract_s": extract_s,
         "tokens_per_s": job.done_tokens / extract_s if extract_s > 0 else None,
+        "format": config.format,
+        "save_dtype": config.save_dtype,
+        "bytes": job.bytes,
         "replicas": rows,
         "tensor_parallel_size": config.tensor_parallel_size,
         "ray_address": ray_address,

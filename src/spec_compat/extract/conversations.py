@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .extract import BadLine, ExtractConfig, Sample
+from .config import BadLine, ExtractConfig, Sample
 
 # The record fields a conversation is read from: ShareGPT ``conversations`` ([{from, value}]) and
 # OpenAI ``messages`` ([{role, content}]). speculators' preprocessing reads only ``conversations``

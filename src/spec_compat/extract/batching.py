@@ -1,0 +1,101 @@
+"""Batches: planning them, running one with bad samples isolated, the payloads, progress."""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from .config import Sample
+
+
+class Progress:
+    def __init__(self, total_samples: int, total_tokens: int) -> None:
+        self.total_samples, self.total_tokens = total_samples, total_tokens
+        self.samples = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        rate = self.tokens / elapsed
+        eta = (self.total_tokens - self.tokens) / rate if rate > 0 else float("inf")
+        width = 30
+        filled = int(width * self.samples / max(self.total_samples, 1))
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.samples}/{self.total_samples} samples "
+            f"{rate:,.0f} tok/s ETA {eta:,.0f}s   "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def plan_batches(lengths: list[int], max_samples: int, max_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive samples: at most ``max_samples`` and ``max_tokens`` each
+    (a single sample longer than ``max_tokens`` is a batch of its own)."""
+    batches: list[tuple[int, int]] = []
+    start = tokens = 0
+    for index, length in enumerate(lengths):
+        if index > start and (index - start >= max_samples or tokens + length > max_tokens):
+            batches.append((start, index))
+            start, tokens = index, 0
+        tokens += length
+    if start < len(lengths):
+        batches.append((start, len(lengths)))
+    return batches
+
+
+def _engine_gone(exc: BaseException) -> bool:
+    """Errors after which the engine cannot run another batch (no point retrying samples)."""
+    from ..errors import EngineStopped, WorkerError, WorkerTimeout
+
+    if isinstance(exc, (EngineStopped, WorkerTimeout)):
+        return True
+    return isinstance(exc, WorkerError) and exc.exc_type == "WorkerProcessDied"
+
+
+def generate_isolating(
+    generate: Callable[[list[list[int]]], list[dict[str, Any]]], batch: list[Sample]
+) -> tuple[list[tuple[Sample, dict[str, Any]]], list[tuple[Sample, str]]]:
+    """Run a batch; if it fails, split it in halves until each failure is one sample, so a bad
+    sample never takes the good ones of its batch with it (log2(batch) extra calls per bad sample).
+    Errors that leave no engine (a dead or silent worker) are raised as they are."""
+    try:
+        results = generate([s.input_ids for s in batch])
+    except Exception as exc:  # kept with the sample it belongs to
+        if _engine_gone(exc):
+            raise
+        if len(batch) == 1:
+            return [], [(batch[0], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")]
+        half = len(batch) // 2
+        good_a, bad_a = generate_isolating(generate, batch[:half])
+        good_b, bad_b = generate_isolating(generate, batch[half:])
+        return good_a + good_b, bad_a + bad_b
+    return list(zip(batch, results, strict=True)), []
+
+
+def sample_payloads(good: list[tuple[Sample, dict[str, Any]]], save_dtype: Any) -> list[tuple[int, dict[str, Any]]]:
+    """(idx, what data_{idx}.pt holds) for each generated sample: ids, states in ``save_dtype``,
+    the loss mask cut to the ids the generator kept (all ones without a mask)."""
+    import torch
+
+    payloads = []
+    for sample, result in good:
+        ids = result["input_ids"].to(torch.long)
+        mask = sample.loss_mask[: len(ids)] if sample.loss_mask is not None else [1] * len(ids)
+        payloads.append(
+            (
+                sample.idx,
+                {
+                    "input_ids": ids,
+                    "hidden_states": [h.to(save_dtype).contiguous() for h in result["hidden_states"]],
+                    "loss_mask": torch.as_tensor(mask, dtype=torch.long),
+                },
+            )
+        )
+    return payloads

@@ -1,0 +1,90 @@
+"""What an extract run is given and works on: its configuration, samples, bad lines, errors."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+LENGTHS = "sample_lengths.json"
+STATS = "extract_stats.json"
+FORMAT = "speculators-eagle3-v1"
+
+
+@dataclass
+class Sample:
+    idx: int
+    input_ids: list[int]
+    loss_mask: list[int] | None = None
+    row: int | None = None  # its place among the shard's samples (checked_samples): speculators-hs's file number
+
+
+@dataclass
+class BadLine:
+    line: int  # 1-based line of the input file
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+class ExtractError(Exception):
+    """A problem the user fixes (input, model, output): reported as one line, exit code 2."""
+
+
+@dataclass
+class ModelFacts:
+    """What the dataset check needs from the model's config.json, read without loading weights."""
+
+    vocab_size: int | None
+    num_layers: int | None
+
+
+@dataclass
+class ExtractConfig:
+    model: str
+    input: Path
+    output: Path
+    layer_ids: list[int]
+    tensor_parallel_size: int = 1
+    max_model_len: int = 2048
+    batch_size: int | None = None  # samples per generate() call; default: the engine's max_num_seqs
+    batch_tokens: int = 32768  # and at most this many tokens per call (one sample may exceed it alone)
+    writer_threads: int = field(default_factory=lambda: default_writer_threads())
+    pending_batches: int = 2  # batches written in the background while the next one runs (memory bound)
+    text_field: str | None = None
+    ids_field: str = "input_ids"
+    shard: tuple[int, int] = (0, 1)
+    on_error: str = "stop"
+    dtype: str | None = None
+    save_dtype: str = "bfloat16"  # or fp8: float8_e4m3fn with per-token scales (fp8.py)
+    format: str = "speculators-v1"  # the output layout (formats/)
+    gpu_memory_utilization: float = 0.8
+    zip_crc32: bool = False  # torch.save's per-record zip CRC32 (see disable_zip_crc32)
+    fsync: bool = True  # each file reaches the disk before the manifest lists it
+    direct_io: bool = False  # stage each file in /dev/shm and write it with O_DIRECT (see direct_io_staging)
+    conversations: bool = False  # chat data through speculators' own preprocessing (conversations.py)
+    seed: int = 0  # speculators' preprocessing shuffle seed (conversations only)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_writer_threads() -> int:
+    """Half the cores, 1 to 8: the last batch's files are written after the engine has finished."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError as exc:
+        raise ValueError(f"--shard must look like i/N (e.g. 0/4), got {text!r}") from exc
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard {text}: need 0 <= i < N")
+    return i, n
+
+
+class WriteFailed(ExtractError):
+    """A file could not be written (no space, permission, read-only, ...): names the file."""

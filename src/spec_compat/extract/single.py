@@ -1,0 +1,164 @@
+"""One process: the dataset checked, one generator, batches written in the background."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Any
+
+from . import formats
+from .batching import Progress, generate_isolating, plan_batches, sample_payloads
+from .config import STATS, ExtractConfig, ExtractError
+from .dataset import checked_samples
+from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
+from .manifest import _provenance, open_manifest
+from .signals import Interrupted, _install_signal_handlers
+from .writer import BackgroundWriter
+
+
+def run(config: ExtractConfig) -> int:
+    """Check everything that can be checked before the engine loads (model config, layer ids,
+    every line of the dataset), then extract. Exit codes: 0 all done, 1 some samples failed or
+    a write failed (what is done is kept), 2 bad input (nothing written), 128 + signal."""
+    checked = checked_samples(config)
+    if checked is None:
+        return 2
+    todo_all, bad = checked
+
+    import spec_compat
+
+    report = spec_compat.apply(strict=True, dtype=config.dtype)
+
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    manifest, todo = open_manifest(config, _provenance(config, report), todo_all, bad)
+    limit = config.max_model_len - 1
+    if not todo:
+        return 1 if bad else 0
+
+    restore_signals = _install_signal_handlers()
+    generator: Any = None
+    writer: BackgroundWriter | None = None
+    failures = 0
+    try:
+        started = time.perf_counter()
+        try:
+            generator = VllmHiddenStatesGenerator(
+                config.model,
+                layer_ids=config.layer_ids,
+                max_model_len=config.max_model_len,
+                tensor_parallel_size=config.tensor_parallel_size,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+            )
+        except (ValueError, TypeError) as exc:  # refused at construction (layer ids), before weights load
+            raise ExtractError(str(exc).splitlines()[0]) from None
+        engine_start_s = time.perf_counter() - started
+        fmt = formats.get(config)
+        save_dtype = formats.state_dtype(config)
+        zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
+        lengths = [min(len(s.input_ids), limit) for s in todo]
+        max_samples = config.batch_size or int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 16)
+        batches = plan_batches(lengths, max_samples, config.batch_tokens)
+        progress = Progress(len(todo), sum(lengths))
+        staging = direct_io_staging(config.output) if config.direct_io else None
+        writer = BackgroundWriter(
+            config.output, manifest, config.writer_threads, config.pending_batches, config.fsync, staging, fmt
+        )
+        first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
+        generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
+        spec_compat.reset_timings()  # the engine start's RPCs are not the loop's
+        started = time.perf_counter()
+        try:
+            for begin, end in batches:
+                batch = todo[begin:end]
+                call_started = time.perf_counter()
+                good, failed = generate_isolating(generator.generate, batch)
+                prepare_started = time.perf_counter()
+                generate_s += prepare_started - call_started
+                payloads = sample_payloads(good, save_dtype)
+                names = [fmt.file_name(sample.idx, sample.row) for sample, _ in good]
+                del good
+                prepare_s += time.perf_counter() - prepare_started
+                if payloads:
+                    writer.submit(payloads, names)
+                # the writer holds them now: each batch's states (the shared-memory segment they came in,
+                # with driver-states-handover) go as soon as its files are written, not after the next call
+                del payloads
+                if failed:
+                    failures += len(failed)
+                    writer.drain()
+                    for sample, detail in failed:
+                        manifest.fail([sample.idx], detail)
+                        print(f"\nspec-compat extract: sample {sample.idx} failed:\n{detail}", file=sys.stderr)
+                    manifest.save(config.fsync)
+                    if config.on_error == "stop":
+                        return 1
+                if first_batch is None:
+                    first_batch = (time.perf_counter() - started, sum(lengths[begin:end]))
+                progress.update(len(batch), sum(lengths[begin:end]))
+            writer.drain()
+            extract_s = time.perf_counter() - started  # dataset to files on disk (engine start and shutdown excluded)
+        finally:
+            progress.close()
+    except Interrupted as exc:
+        if writer is not None:
+            _close_quietly(writer)
+        recorded = len(manifest.data["samples"])
+        print(
+            f"spec-compat extract: interrupted by {signal.Signals(exc.signum).name}: {recorded} sample(s) are "
+            f"complete and listed in {manifest.path}; run the same command again to extract the rest",
+            file=sys.stderr,
+        )
+        return 128 + exc.signum
+    finally:
+        try:
+            if writer is not None:
+                _close_quietly(writer)
+        finally:
+            if generator is not None:
+                generator.executor.shutdown()
+            del generator  # let speculators' __del__ run now, not at interpreter teardown
+            restore_signals()
+    tokens = sum(lengths)
+    stats = {
+        "samples": writer.written_samples,
+        "tokens": tokens,
+        "format": config.format,
+        "save_dtype": config.save_dtype,
+        "bytes": writer.written_bytes,  # the samples' files this run wrote
+        "bytes_per_token": writer.written_bytes / tokens if tokens else None,
+        "batches": len(batches),
+        "engine_start_s": engine_start_s,
+        "extract_s": extract_s,
+        "tokens_per_s": tokens / extract_s if extract_s > 0 else None,
+        # after the first batch (its call also warms the engine up: kernel autotuning, allocator)
+        "first_batch_s": first_batch[0] if first_batch else None,
+        "steady_tokens_per_s": (tokens - first_batch[1]) / (extract_s - first_batch[0])
+        if first_batch and len(batches) > 1 and extract_s > first_batch[0]
+        else None,
+        "generate_s": generate_s,
+        "prepare_s": prepare_s,
+        "writer_wait_s": writer.wait_s,
+        "writer_threads": config.writer_threads,
+        "pending_batches": config.pending_batches,
+        "zip_crc32": zip_crc32,
+        "fsync": config.fsync,
+        "direct_io": staging is not None,
+        # spec_compat.timings() over the loop: rpc:<method> and transfer:/own: in the engine loop,
+        # extract:<step> summed over the writer threads (torch-save, sha256, fsync) and the recorder
+        "timings": {label: round(seconds, 6) for label, seconds in sorted(spec_compat.timings().items())},
+    }
+    _write_json_atomic(config.output / STATS, stats)
+    print(
+        f"spec-compat extract: {writer.written_samples} samples, {tokens:,} tokens in {extract_s:.1f} s "
+        f"({stats['tokens_per_s'] or 0:,.0f} tok/s; engine start {engine_start_s:.1f} s, "
+        f"waited for the writer {writer.wait_s:.1f} s)",
+        file=sys.stderr,
+    )
+    return 1 if failures or bad else 0
+
+
+def _close_quietly(writer: BackgroundWriter) -> None:
+    """close() once; a second call (the finally after an interruption) finds nothing in flight."""
+    writer.close()
