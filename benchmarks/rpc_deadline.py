@@ -13,9 +13,9 @@ import sys
 import time
 from typing import Any
 
-from spec_compat.adapters.executor import make_executor_class
-from spec_compat.adapters.executor_all_ranks_reply import AllRanksReply
-from spec_compat.adapters.watchdog import RpcDeadline
+from spec_compat.adapters.driver.executor.executor import make_executor_class
+from spec_compat.adapters.driver.executor.executor_all_ranks_reply import AllRanksReply
+from spec_compat.adapters.driver.executor.executor_rpc_deadline import RpcDeadline
 
 
 class Queue:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .adapters import executor_entry
+from .adapters.driver.executor import entry as executor_entry
 from .detect import Environment, detect
 from .errors import IncompatibleError
 from .options import Context, Options
@@ -254,7 +254,7 @@ def apply_in_worker(options_json: str) -> Report:
         return report
 
 
-# spec_compat's worker entry point (adapters/executor_entry.py) runs this in every worker it starts.
+# spec_compat's worker entry point (adapters/driver/executor/entry.py) runs this in every worker it starts.
 executor_entry.set_worker_setup(apply_in_worker)
 
 

@@ -8,11 +8,13 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters.executor import WorkerSetup, make_executor_class
-from spec_compat.adapters.executor_all_ranks_reply import AllRanksReply
-from spec_compat.adapters.executor_hooks import ExecutorHook
-from spec_compat.adapters.executor_malloc import WORKER_MALLOC_ENV, WorkerMalloc
-from spec_compat.adapters.executor_protocol import ForceV1ModelRunner, ReplyAsList, SampleAfterExecute
+from spec_compat.adapters.driver.executor.executor import WorkerSetup, make_executor_class
+from spec_compat.adapters.driver.executor.executor_all_ranks_reply import AllRanksReply
+from spec_compat.adapters.driver.executor.executor_model_runner_v1 import ForceV1ModelRunner
+from spec_compat.adapters.driver.executor.executor_reply_shape import ReplyAsList
+from spec_compat.adapters.driver.executor.executor_sample_tokens import SampleAfterExecute
+from spec_compat.adapters.driver.executor.hooks import ExecutorHook
+from spec_compat.adapters.driver.executor.worker_malloc_retain import WORKER_MALLOC_ENV, WorkerMalloc
 from spec_compat.adapters.remote_errors import encode
 from spec_compat.errors import WorkerError
 from spec_compat.options import WORKER_ENV
@@ -116,7 +118,7 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
     import zmq
 
-    from spec_compat.adapters.executor_zmq import close_message_queues, message_queues
+    from spec_compat.adapters.driver.executor.executor_close_queues import close_message_queues, message_queues
 
     def queue() -> Any:
         context = zmq.Context()
@@ -144,10 +146,10 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
 
 def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    import spec_compat.adapters.executor_zmq as executor_zmq
+    from spec_compat.adapters.driver.executor import executor_close_queues
 
     calls: list[Any] = []
-    monkeypatch.setattr(executor_zmq, "close_message_queues", calls.append)
+    monkeypatch.setattr(executor_close_queues, "close_message_queues", calls.append)
     queue = object()
 
     class Base:
@@ -164,7 +166,7 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
     assert instance.shutdown() == "base" and calls == []
     instance.rpc_broadcast_mq = queue
     saved = cls.hooks
-    cls.hooks = saved.adding(executor_zmq.CloseQueues())
+    cls.hooks = saved.adding(executor_close_queues.CloseQueues())
     try:
         assert instance.shutdown() == "base" and calls == [[queue]]
     finally:
@@ -183,19 +185,19 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
 def test_fork_falls_back_to_spawn_only_after_cuda_init(
     monkeypatch: pytest.MonkeyPatch, method: str | None, cuda_initialised: bool, expected: dict[str, str]
 ) -> None:
-    import spec_compat.adapters.executor_fork as executor_fork
+    from spec_compat.adapters.driver.executor import fork
 
     if method is None:
         monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     else:
         monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", method)
-    monkeypatch.setattr(executor_fork, "cuda_driver_initialized", lambda: cuda_initialised)
-    assert executor_fork.start_method_env() == expected
+    monkeypatch.setattr(fork, "cuda_driver_initialized", lambda: cuda_initialised)
+    assert fork.start_method_env() == expected
 
 
 def test_cuda_driver_check_loads_nothing() -> None:
     """On a machine without a loaded libcuda the check answers False and does not load it."""
-    from spec_compat.adapters.executor_fork import cuda_driver_initialized
+    from spec_compat.adapters.driver.executor.fork import cuda_driver_initialized
 
     maps_file = Path("/proc/self/maps")
     maps = maps_file.read_text() if maps_file.exists() else ""
@@ -207,7 +209,7 @@ def test_cuda_driver_check_loads_nothing() -> None:
 
 
 def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None:
-    from spec_compat.adapters.executor_replies import ReadOnceReply
+    from spec_compat.adapters.driver.executor.rpc_reply_read_once import ReadOnceReply
 
     reply = ReadOnceReply({"req_0": [1], "req_1": [2]})
     assert "req_0" in reply and len(reply) == 2 and sorted(reply.keys()) == ["req_0", "req_1"]
@@ -220,7 +222,7 @@ def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None
 
 
 def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
-    from spec_compat.adapters.executor_replies import ReadOnce, ReadOnceReply
+    from spec_compat.adapters.driver.executor.rpc_reply_read_once import ReadOnce, ReadOnceReply
 
     class Base:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -298,7 +300,7 @@ def test_read_once_probe_reads_the_generator_source(tmp_path: Path, monkeypatch:
 def test_close_queues_probe_reads_whether_vllm_closes_sockets_itself() -> None:
     import ast
 
-    from spec_compat.adapters.executor_zmq import closes_sockets_without_linger
+    from spec_compat.adapters.driver.executor.executor_close_queues import closes_sockets_without_linger
 
     assert closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.32 shape
     assert not closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))
@@ -317,7 +319,7 @@ class _Handle:
 def test_a_dead_worker_is_named_before_the_error_its_peer_raised_after_it() -> None:
     """Rank 1 killed: rank 0 then fails in its collective ("connection closed by peer") and that
     reply may reach the caller first; the cause named is the death, rank 0's error kept with it."""
-    from spec_compat.adapters.executor_failures import diagnosed
+    from spec_compat.adapters.driver.executor.failures import diagnosed
 
     executor = type("Executor", (), {})()
     peer_error = RuntimeError(f"Worker failed with error '{encode(RuntimeError('Connection closed by peer'), 0, 'm')}'")

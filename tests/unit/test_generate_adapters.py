@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from spec_compat.adapters.generate import normalise_token_ids, plan_single_step_batches, reorder_to_inputs
+from spec_compat.adapters.driver.input_order import reorder_to_inputs
+from spec_compat.adapters.driver.input_validation import normalise_token_ids
+from spec_compat.adapters.driver.single_step_batches import plan_single_step_batches
 from spec_compat.detect import detect
 from spec_compat.errors import ResultContractError
 from spec_compat.options import Context, Options

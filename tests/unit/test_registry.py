@@ -4,6 +4,7 @@ speculators range is honoured by apply() (an adapter outside it does not apply, 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,16 @@ from spec_compat.adapters.unit import NOTE_KEYS
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import AdapterPatcher, Patcher
-from spec_compat.registry import ADAPTERS, BY_ID, SUPPORTED_SPECULATORS, Adapter, AdapterOrderError, ordered
+from spec_compat.registry import (
+    ADAPTERS,
+    BY_ID,
+    SIDE_FOLDERS,
+    SUPPORTED_SPECULATORS,
+    Adapter,
+    AdapterOrderError,
+    adapter_file,
+    ordered,
+)
 from spec_compat.versions import parse_version
 
 ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
@@ -40,7 +50,7 @@ def test_no_adapter_names_the_id_it_patches_under() -> None:
     whose apply made it, so no apply body or helper writes an id (one that could drift from the
     registry's). The check: no call of a patcher method in adapters/ starts with a string."""
     written = []
-    for path in ADAPTERS_DIR.glob("*.py"):
+    for path in ADAPTERS_DIR.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
@@ -49,6 +59,31 @@ def test_no_adapter_names_the_id_it_patches_under() -> None:
                 if isinstance(first, ast.Constant) and isinstance(first.value, str):
                     written.append(f"{path.name}:{node.lineno}")
     assert written == []
+
+
+def _module_adapters() -> dict[str, list[Adapter]]:
+    """Every module under adapters/ -> the Adapter records bound at its top level."""
+    found: dict[str, list[Adapter]] = {}
+    for path in sorted(ADAPTERS_DIR.rglob("*.py")):
+        relative = path.relative_to(ADAPTERS_DIR.parent).with_suffix("")
+        module = importlib.import_module(".".join(("spec_compat", *relative.parts)).removesuffix(".__init__"))
+        found[str(path.relative_to(ADAPTERS_DIR.parent))] = [v for v in vars(module).values() if isinstance(v, Adapter)]
+    return found
+
+
+def test_every_adapter_id_names_its_file() -> None:
+    """An id (what doctor prints) is enough to find its adapter: adapters/<side folder>/<id, "-" as
+    "_">.py defines that record and no other, and no other file in adapters/ defines a record."""
+    by_file = _module_adapters()
+    for adapter in ADAPTERS:
+        path = adapter_file(adapter.id)
+        assert path.rpartition("/")[2] == adapter.id.replace("-", "_") + ".py"
+        assert path.removeprefix("adapters/").rpartition("/")[0] in SIDE_FOLDERS[adapter.side], adapter.id
+        assert [a.id for a in by_file.get(path, [])] == [adapter.id], path
+        assert by_file[path][0] is adapter, path
+    defining = {path for path, records in by_file.items() if records}
+    assert defining == {adapter_file(adapter.id) for adapter in ADAPTERS}
+    assert len(ADAPTERS) == len(defining) == 44
 
 
 def _patching_adapter(adapter_id: str, target: type) -> Adapter:

@@ -1,5 +1,5 @@
 """speculators' ``.clone()`` of a captured tensor takes the shared-memory bytes it views instead of
-copying them (adapter ``driver-states-handover``, adapters/executor_handover.py).
+copying them (adapter ``driver-states-handover``, adapters/driver/executor/driver_states_handover.py).
 
 speculators copies every tensor of the captured-states reply on the driver (0.4.x
 ``h.clone().cpu()``, 0.3.0 ``h[a:b].clone().cpu()``): 0.7-1 GB per call for 1.5-8k-token prompts.
