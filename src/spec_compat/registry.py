@@ -1,8 +1,10 @@
 """Every adapter spec_compat has, in the order they are applied.
 
-Each adapter is one unit (``adapters.unit.Adapter``) defined in its adapters module beside the probe
-and apply it names: what it patches, why, which vLLM change made it necessary, how it is detected,
-when it can be deleted (vllm-ascend's patch notes are the model), the speculators releases it is for.
+Each adapter is one unit (``adapters.unit.Adapter``) defined in its own file,
+``adapters/<side folder>/<id>.py`` (``adapter_file``), beside the probe and apply it names; its
+typed fields say what it patches (dotted paths a test resolves), why, which vLLM change made it
+necessary, how it is detected, when it can be deleted (vllm-ascend's patch notes are the model),
+the speculators releases it is for. Adding one is its file and one line below (docs/architecture.md).
 This module only lists them, grouped by side, and puts them in an order that satisfies each unit's
 ``after`` / ``before`` ids (``ordered``): the constraints, not list position, decide which wrapper
 of a method wraps which; where no constraint speaks, the written order is kept.
@@ -173,7 +175,8 @@ ADAPTERS: tuple[Adapter, ...] = ordered(
 )
 
 # Adapters that register an executor hook (executor.install_hook) install the subclass first if the
-# "executor" record has not (its apply installs it and its worker set-up hook).
+# "executor" record has not (its apply installs it and its worker set-up hook); then the first of
+# them also makes the patches the "executor" record declares.
 BY_ID = {adapter.id: adapter for adapter in ADAPTERS}
 
 

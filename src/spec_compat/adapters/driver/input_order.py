@@ -68,13 +68,12 @@ def apply_input_order(ctx: Context, patcher: AdapterPatcher) -> None:
 
 INPUT_ORDER = Adapter(
     id="input-order",
-    notes="""
-    why: results come back in sorted(request_id) order: 'req_0_10' < 'req_0_2', batches of 11+ permuted
-    vllm change: none: speculators 0.4.x bug (speculators PR #365)
-    detect: AST: generate() iterates sorted(...)
-    delete when: speculators returns results in input order
-    patches: VllmHiddenStatesGenerator.generate (results back in input order)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",),
+    how="results back in input order",
+    why="results come back in sorted(request_id) order: 'req_0_10' < 'req_0_2', batches of 11+ permuted",
+    vllm_change="none: speculators 0.4.x bug (speculators PR #365)",
+    detect="AST: generate() iterates sorted(...)",
+    delete_when="speculators returns results in input order",
     side="driver",
     probe=probe_input_order,
     apply=apply_input_order,

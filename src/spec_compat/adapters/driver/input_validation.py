@@ -102,13 +102,12 @@ def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
 
 INPUT_VALIDATION = Adapter(
     id="input-validation",
-    notes="""
-    why: empty, negative, non-integer or out-of-vocabulary ids fail deep inside the engine or not at all
-    vllm change: none: a guard
-    detect: always
-    delete when: never
-    patches: VllmHiddenStatesGenerator.generate (input checks before vLLM is touched)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",),
+    how="input checks before vLLM is touched",
+    why="empty, negative, non-integer or out-of-vocabulary ids fail deep inside the engine or not at all",
+    vllm_change="none: a guard",
+    detect="always",
+    delete_when="never",
     side="driver",
     probe=probe_input_validation,
     apply=apply_input_validation,

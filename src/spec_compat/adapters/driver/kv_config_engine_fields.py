@@ -54,14 +54,15 @@ def apply_kv_config_fields(ctx: Context, patcher: AdapterPatcher) -> None:
 
 KV_CONFIG_ENGINE_FIELDS = Adapter(
     id="kv-config-engine-fields",
-    notes="""
-    why: workers need KVCacheConfig.kv_cache_layout / hash_block_size / cache_hit_alignment_tokens, and
-        cache_config.block_size must match the KV groups
-    vllm change: 0.29.0 kv_cache_layout, 0.32.0 hash_block_size and cache_hit_alignment_tokens
-    detect: KVCacheConfig dataclass fields
-    delete when: get_kv_cache_config_from_groups fills them itself
-    patches: vllm_hidden_states_generator.get_kv_cache_config_from_groups (result)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.get_kv_cache_config_from_groups",),
+    how="its result",
+    why=(
+        "workers need KVCacheConfig.kv_cache_layout / hash_block_size / cache_hit_alignment_tokens, and "
+        "cache_config.block_size must match the KV groups"
+    ),
+    vllm_change="0.29.0 kv_cache_layout, 0.32.0 hash_block_size and cache_hit_alignment_tokens",
+    detect="KVCacheConfig dataclass fields",
+    delete_when="get_kv_cache_config_from_groups fills them itself",
     side="driver",
     probe=probe_kv_config_fields,
     apply=apply_kv_config_fields,

@@ -32,13 +32,12 @@ KV_CONFIG_KEYWORD = KeywordSignature(
 
 KV_CONFIG_SIGNATURE = Adapter(
     id="kv-config-signature",
-    notes="""
-    why: TypeError: unexpected keyword 'kv_cache_specs' (0.3.0) / missing 'kv_cache_specs' (0.4 on 0.11.x)
-    vllm change: 0.12.0 dropped kv_cache_specs
-    detect: signature vs AST: passed by speculators
-    delete when: speculators 0.3.0 is no longer supported
-    patches: vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword kv_cache_specs)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.get_kv_cache_config_from_groups",),
+    how="keyword kv_cache_specs",
+    why="TypeError: unexpected keyword 'kv_cache_specs' (0.3.0) / missing 'kv_cache_specs' (0.4 on 0.11.x)",
+    vllm_change="0.12.0 dropped kv_cache_specs",
+    detect="signature vs AST: passed by speculators",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="driver",
     probe=KV_CONFIG_KEYWORD.probe,
     apply=KV_CONFIG_KEYWORD.apply,

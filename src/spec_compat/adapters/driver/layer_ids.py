@@ -88,15 +88,22 @@ def apply_layer_ids(ctx: Context, patcher: AdapterPatcher) -> None:
 
 LAYER_IDS = Adapter(
     id="layer-ids",
-    notes="""
-    why: duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k];
-        speculators' default for a model under 8 layers repeats ids (6 layers: [2, 3, 3, 5])
-    vllm change: none: speculators keeps layer ids in a frozenset
-    detect: always
-    delete when: speculators validates and orders layer ids
-    patches: VllmHiddenStatesGenerator.__init__ and _create_vllm_config (reject duplicates, given or speculators'
-        default, before the weights load) and generate (requested layer order)
-    """,
+    patches=(
+        "speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.__init__",
+        "speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator._create_vllm_config",
+        "speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",
+    ),
+    how=(
+        "__init__ and _create_vllm_config reject duplicates, given or speculators' default, before the weights load; "
+        "generate returns the requested layer order"
+    ),
+    why=(
+        "duplicates come back once and an unsorted list comes back sorted: hidden_states[k] is not layer_ids[k]; "
+        "speculators' default for a model under 8 layers repeats ids (6 layers: [2, 3, 3, 5])"
+    ),
+    vllm_change="none: speculators keeps layer ids in a frozenset",
+    detect="always",
+    delete_when="speculators validates and orders layer ids",
     side="driver",
     probe=probe_layer_ids,
     apply=apply_layer_ids,

@@ -22,13 +22,12 @@ def apply_model_dtype(ctx: Context, patcher: AdapterPatcher) -> None:
 
 MODEL_DTYPE = Adapter(
     id="model-dtype",
-    notes="""
-    why: speculators hard-codes dtype='auto'; vLLM on CPU turns a float32 checkpoint into bfloat16
-    vllm change: none (a missing knob)
-    detect: apply(dtype=...) or SPEC_COMPAT_DTYPE is set
-    delete when: speculators exposes dtype
-    patches: vllm_hidden_states_generator.ModelConfig (keyword dtype)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.ModelConfig",),
+    how="keyword dtype",
+    why="speculators hard-codes dtype='auto'; vLLM on CPU turns a float32 checkpoint into bfloat16",
+    vllm_change="none (a missing knob)",
+    detect="apply(dtype=...) or SPEC_COMPAT_DTYPE is set",
+    delete_when="speculators exposes dtype",
     side="driver",
     probe=probe_model_dtype,
     apply=apply_model_dtype,

@@ -30,13 +30,12 @@ def apply_prefix_caching_off(ctx: Context, patcher: AdapterPatcher) -> None:
 
 PREFIX_CACHING_OFF = Adapter(
     id="prefix-caching-off",
-    notes="""
-    why: prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher (crash in block_pool)
-    vllm change: 0.12.0 enable_prefix_caching defaults to True
-    detect: AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it
-    delete when: speculators 0.3.0 is no longer supported
-    patches: vllm_hidden_states_generator.CacheConfig (keyword enable_prefix_caching=False)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.CacheConfig",),
+    how="keyword enable_prefix_caching=False",
+    why="prefix-cache hits skip tokens the capture needs; 0.3.0's requests have no block hasher (crash in block_pool)",
+    vllm_change="0.12.0 enable_prefix_caching defaults to True",
+    detect="AST: speculators does not pass enable_prefix_caching; CacheConfig accepts it",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="driver",
     probe=probe_prefix_caching_off,
     apply=apply_prefix_caching_off,

@@ -31,13 +31,12 @@ def apply_request_kwargs(ctx: Context, patcher: AdapterPatcher) -> None:
 
 REQUEST_KWARGS = Adapter(
     id="request-kwargs",
-    notes="""
-    why: TypeError: Request.__init__() got an unexpected keyword argument 'eos_token_id'
-    vllm change: 0.17.0 removed Request(eos_token_id=) (EOS moved into SamplingParams)
-    detect: signature: keywords speculators passes that Request.__init__ does not accept
-    delete when: speculators stops passing eos_token_id
-    patches: vllm_hidden_states_generator.Request (keywords eos_token_id, block_hasher)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.Request",),
+    how="keywords eos_token_id, block_hasher",
+    why="TypeError: Request.__init__() got an unexpected keyword argument 'eos_token_id'",
+    vllm_change="0.17.0 removed Request(eos_token_id=) (EOS moved into SamplingParams)",
+    detect="signature: keywords speculators passes that Request.__init__ does not accept",
+    delete_when="speculators stops passing eos_token_id",
     side="driver",
     probe=probe_request_kwargs,
     apply=apply_request_kwargs,

@@ -57,13 +57,12 @@ def apply_results_contract(ctx: Context, patcher: AdapterPatcher) -> None:
 
 RESULTS_CONTRACT = Adapter(
     id="results-contract",
-    notes="""
-    why: wrong shapes or orders must never pass silently (771 x [512] instead of 4 x [771, 7168])
-    vllm change: none: a guard
-    detect: apply(check_results=True), the default
-    delete when: never
-    patches: VllmHiddenStatesGenerator.generate (output contract check)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",),
+    how="output contract check",
+    why="wrong shapes or orders must never pass silently (771 x [512] instead of 4 x [771, 7168])",
+    vllm_change="none: a guard",
+    detect="apply(check_results=True), the default",
+    delete_when="never",
     side="driver",
     probe=probe_results_contract,
     apply=apply_results_contract,

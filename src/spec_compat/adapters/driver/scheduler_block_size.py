@@ -57,13 +57,12 @@ def apply_scheduler_block_size(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SCHEDULER_BLOCK_SIZE = Adapter(
     id="scheduler-block-size",
-    notes="""
-    why: Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV cache's block size
-    vllm change: 0.11.2 required block_size; 0.20.2 hash_block_size
-    detect: signature vs AST: passed by speculators
-    delete when: speculators passes the resolved block size
-    patches: vllm_hidden_states_generator.Scheduler (keywords block_size, hash_block_size)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.Scheduler",),
+    how="keywords block_size, hash_block_size",
+    why="Scheduler requires block_size (0.3.0 omits it); 0.4 passes its hard-coded 16, not the KV cache's block size",
+    vllm_change="0.11.2 required block_size; 0.20.2 hash_block_size",
+    detect="signature vs AST: passed by speculators",
+    delete_when="speculators passes the resolved block size",
     side="driver",
     probe=probe_scheduler_block_size,
     apply=apply_scheduler_block_size,

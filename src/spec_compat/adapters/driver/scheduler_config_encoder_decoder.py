@@ -20,13 +20,12 @@ SCHEDULER_CONFIG_KEYWORD = KeywordSignature(
 
 SCHEDULER_CONFIG_ENCODER_DECODER = Adapter(
     id="scheduler-config-encoder-decoder",
-    notes="""
-    why: SchedulerConfig requires is_encoder_decoder (0.3.0 omits it) / lacks it (0.4 on <= 0.11.0)
-    vllm change: 0.11.2 added the InitVar, 0.12.0 made it required
-    detect: signature: is_encoder_decoder required / accepted vs AST: passed by speculators
-    delete when: speculators 0.3.0 is no longer supported
-    patches: vllm_hidden_states_generator.SchedulerConfig (keyword is_encoder_decoder)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.SchedulerConfig",),
+    how="keyword is_encoder_decoder",
+    why="SchedulerConfig requires is_encoder_decoder (0.3.0 omits it) / lacks it (0.4 on <= 0.11.0)",
+    vllm_change="0.11.2 added the InitVar, 0.12.0 made it required",
+    detect="signature: is_encoder_decoder required / accepted vs AST: passed by speculators",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="driver",
     probe=SCHEDULER_CONFIG_KEYWORD.probe,
     apply=SCHEDULER_CONFIG_KEYWORD.apply,

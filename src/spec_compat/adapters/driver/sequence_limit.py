@@ -36,15 +36,18 @@ def apply_sequence_limit(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SEQUENCE_LIMIT = Adapter(
     id="sequence-limit",
-    notes="""
-    why: requests beyond max_num_seqs (32) are never scheduled: 'Request req_0_32 not found in captured states' for a
-        batch of 48
-    vllm change: none: speculators never calls scheduler.update_from_output, so prefilled requests keep their running
-        slot (found on the H200 with a 48-prompt batch)
-    detect: AST: generate() does not call update_from_output
-    delete when: speculators frees finished requests or splits batches itself
-    patches: VllmHiddenStatesGenerator.generate (sub-batches of at most max_num_seqs inputs)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",),
+    how="sub-batches of at most max_num_seqs inputs",
+    why=(
+        "requests beyond max_num_seqs (32) are never scheduled: 'Request req_0_32 not found in captured states' for "
+        "a batch of 48"
+    ),
+    vllm_change=(
+        "none: speculators never calls scheduler.update_from_output, so prefilled requests keep their running slot "
+        "(found on the H200 with a 48-prompt batch)"
+    ),
+    detect="AST: generate() does not call update_from_output",
+    delete_when="speculators frees finished requests or splits batches itself",
     side="driver",
     probe=probe_sequence_limit,
     apply=apply_sequence_limit,

@@ -104,17 +104,23 @@ def apply_shutdown_at_exit(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SHUTDOWN_AT_EXIT = Adapter(
     id=ADAPTER_ID,
-    notes="""
-    why: every run ended with `Exception ignored in: <function VllmHiddenStatesGenerator.__del__> ... AttributeError:
-        'NoneType' object has no attribute 'warning'`: __del__ shut the engine down during interpreter teardown, when
-        module globals (the executor's, speculators' `log`) were already None
-    vllm change: none: speculators shuts its engine down only from __del__ (0.3.0 and 0.4.x)
-    detect: always (the reason says whether the generator class defines __del__)
-    delete when: speculators shuts the engine down itself (a close() / context manager, or its own atexit)
-    patches: VllmHiddenStatesGenerator.__init__ (each generator tracked by a weak reference),
-        VllmHiddenStatesGenerator.__del__ (nothing left to do once shut down at exit); an atexit handler, registered at
-        the first generator, that shuts down the live generators' executors
-    """,
+    patches=(
+        "speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.__init__",
+        "speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.__del__",
+        "spec_compat.adapters.driver.shutdown_at_exit.ExitState.enabled",
+    ),
+    how=(
+        "__init__ tracks each generator by a weak reference, __del__ has nothing left to do once shut down at exit; "
+        "an atexit handler, registered at the first generator, shuts down the live generators' executors"
+    ),
+    why=(
+        "every run ended with `Exception ignored in: <function VllmHiddenStatesGenerator.__del__> ... "
+        "AttributeError: 'NoneType' object has no attribute 'warning'`: __del__ shut the engine down during "
+        "interpreter teardown, when module globals (the executor's, speculators' `log`) were already None"
+    ),
+    vllm_change="none: speculators shuts its engine down only from __del__ (0.3.0 and 0.4.x)",
+    detect="always (the reason says whether the generator class defines __del__)",
+    delete_when="speculators shuts the engine down itself (a close() / context manager, or its own atexit)",
     side="driver",
     probe=probe_shutdown_at_exit,
     apply=apply_shutdown_at_exit,

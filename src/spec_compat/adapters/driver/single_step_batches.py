@@ -105,14 +105,15 @@ def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
 
 SINGLE_STEP_BATCHES = Adapter(
     id="single-step-batches",
-    notes="""
-    why: 0.3.0 aborts requests after their first chunk and slices by input offsets: chunked prefill or a reordered batch
-        gives wrong states silently
-    vllm change: none: speculators 0.3.0 logic (fixed in 0.4 by speculators #283)
-    detect: AST: generate() calls finish_requests and slices by offset
-    delete when: speculators 0.3.0 is no longer supported
-    patches: VllmHiddenStatesGenerator.generate (sub-batches of one scheduler step, verified)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.VllmHiddenStatesGenerator.generate",),
+    how="sub-batches of one scheduler step, verified",
+    why=(
+        "0.3.0 aborts requests after their first chunk and slices by input offsets: chunked prefill or a reordered "
+        "batch gives wrong states silently"
+    ),
+    vllm_change="none: speculators 0.3.0 logic (fixed in 0.4 by speculators #283)",
+    detect="AST: generate() calls finish_requests and slices by offset",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="driver",
     probe=probe_single_step,
     apply=apply_single_step,

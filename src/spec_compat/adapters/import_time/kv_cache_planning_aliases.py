@@ -42,14 +42,16 @@ def apply_kv_cache_planning_aliases(ctx: Context, patcher: AdapterPatcher) -> No
 
 KV_CACHE_PLANNING_ALIASES = Adapter(
     id="kv-cache-planning-aliases",
-    notes="""
-    why: speculators imports them from kv_cache_utils: ImportError at import
-    vllm change: 0.33.0 moved them to vllm.v1.core.kv_cache_planning
-    detect: the names are missing from kv_cache_utils and present in kv_cache_planning
-    delete when: speculators' generator is no longer used with vLLM >= 0.33
-    patches: vllm.v1.core.kv_cache_utils.{_get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups,
-        unify_hybrid_kv_cache_specs} (added aliases)
-    """,
+    patches=(
+        "vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_spec",
+        "vllm.v1.core.kv_cache_utils.get_kv_cache_config_from_groups",
+        "vllm.v1.core.kv_cache_utils.unify_hybrid_kv_cache_specs",
+    ),
+    how="added aliases of the helpers in vllm.v1.core.kv_cache_planning",
+    why="speculators imports them from kv_cache_utils: ImportError at import",
+    vllm_change="0.33.0 moved them to vllm.v1.core.kv_cache_planning",
+    detect="the names are missing from kv_cache_utils and present in kv_cache_planning",
+    delete_when="speculators' generator is no longer used with vLLM >= 0.33",
     side="import",
     probe=probe_kv_cache_planning_aliases,
     apply=apply_kv_cache_planning_aliases,

@@ -130,17 +130,25 @@ def apply_transformers_removed_modules(ctx: Context, patcher: AdapterPatcher) ->
 
 TRANSFORMERS_REMOVED_MODULES = Adapter(
     id="transformers-removed-modules",
-    notes="""
-    why: `import speculators` raises ModuleNotFoundError: No module named 'transformers.modeling_attn_mask_utils' (its
-        EAGLE-1 model imports _prepare_4d_causal_attention_mask)
-    vllm change: transformers 5.24.0 removed modeling_attn_mask_utils; vLLM 0.24.0-0.30.0 pin transformers >=5.5.3 /
-        >=5.10.4 with no upper bound, so a fresh install resolves to it (found by the version matrix)
-    detect: a module-level `from transformers.X import ...` in speculators' sources names a module that importlib cannot
-        find
-    delete when: speculators stops importing transformers internals at module level, or vLLM caps transformers below
-        5.24
-    patches: sys.modules['transformers.<module>'] (added placeholder modules, e.g. modeling_attn_mask_utils)
-    """,
+    patches=("sys.modules[transformers.*]",),
+    how=(
+        "placeholder modules added for the removed ones speculators imports, e.g. transformers.modeling_attn_mask_utils"
+    ),
+    why=(
+        "`import speculators` raises ModuleNotFoundError: No module named 'transformers.modeling_attn_mask_utils' "
+        "(its EAGLE-1 model imports _prepare_4d_causal_attention_mask)"
+    ),
+    vllm_change=(
+        "transformers 5.24.0 removed modeling_attn_mask_utils; vLLM 0.24.0-0.30.0 pin transformers >=5.5.3 / "
+        ">=5.10.4 with no upper bound, so a fresh install resolves to it (found by the version matrix)"
+    ),
+    detect=(
+        "a module-level `from transformers.X import ...` in speculators' sources names a module that importlib "
+        "cannot find"
+    ),
+    delete_when=(
+        "speculators stops importing transformers internals at module level, or vLLM caps transformers below 5.24"
+    ),
     side="import",
     probe=probe_transformers_removed_modules,
     apply=apply_transformers_removed_modules,

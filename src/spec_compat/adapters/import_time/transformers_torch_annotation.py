@@ -37,15 +37,18 @@ def apply_transformers_torch_annotation(ctx: Context, patcher: AdapterPatcher) -
 
 TRANSFORMERS_TORCH_ANNOTATION = Adapter(
     id="transformers-torch-annotation",
-    notes="""
-    why: `import speculators` raises PydanticUndefinedAnnotation: name 'torch' is not defined
-    vllm change: transformers 5 (pulled in by vLLM >= 0.24.0) annotates PretrainedConfig.dtype with torch.dtype,
-        importing torch only under TYPE_CHECKING
-    detect: PretrainedConfig annotations mention torch and the module has no `torch` name
-    delete when: speculators stops rebuilding pydantic models over PretrainedConfig, or transformers binds torch at
-        module level
-    patches: transformers.configuration_utils.torch (added alias)
-    """,
+    patches=("transformers.configuration_utils.torch",),
+    how="an added alias of torch",
+    why="`import speculators` raises PydanticUndefinedAnnotation: name 'torch' is not defined",
+    vllm_change=(
+        "transformers 5 (pulled in by vLLM >= 0.24.0) annotates PretrainedConfig.dtype with torch.dtype, importing "
+        "torch only under TYPE_CHECKING"
+    ),
+    detect="PretrainedConfig annotations mention torch and the module has no `torch` name",
+    delete_when=(
+        "speculators stops rebuilding pydantic models over PretrainedConfig, or transformers binds torch at module "
+        "level"
+    ),
     side="import",
     probe=probe_transformers_torch_annotation,
     apply=apply_transformers_torch_annotation,

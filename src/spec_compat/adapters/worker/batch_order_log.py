@@ -45,14 +45,15 @@ def apply_batch_order_log(ctx: Context, patcher: AdapterPatcher) -> None:
 
 BATCH_ORDER_LOG = Adapter(
     id="batch-order-log",
-    notes="""
-    why: 0.3.0 slices captures by input offsets assuming the runner batched requests in input order
-    vllm change: none: a latent speculators 0.3.0 assumption, verified instead of trusted
-    detect: AST: _store_captured_states does not read model_runner.input_batch
-    delete when: speculators 0.3.0 is no longer supported
-    patches: HiddenStatesWorkerExtension._store_captured_states, HiddenStatesWorkerExtension._spec_compat_take_batch_log
-        (added)
-    """,
+    patches=(
+        "speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._store_captured_states",
+        "speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._spec_compat_take_batch_log",
+    ),
+    how="_spec_compat_take_batch_log added",
+    why="0.3.0 slices captures by input offsets assuming the runner batched requests in input order",
+    vllm_change="none: a latent speculators 0.3.0 assumption, verified instead of trusted",
+    detect="AST: _store_captured_states does not read model_runner.input_batch",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="worker",
     probe=probe_batch_order_log,
     apply=apply_batch_order_log,

@@ -37,13 +37,11 @@ def apply_capture_gate(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CAPTURE_GATE = Adapter(
     id="capture-gate",
-    notes="""
-    why: 0.3.0 refuses models without vLLM's SupportsEagle3 interface although capture only needs `layers`
-    vllm change: models gained SupportsEagle3 late (Qwen3-MoE 0.11.2, DeepSeek-V2/V3 0.18.1; Mixtral never)
-    detect: custom_worker defines the name supports_eagle3
-    delete when: speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)
-    patches: custom_worker.supports_eagle3
-    """,
+    patches=("speculators.data_generation.custom_worker.supports_eagle3",),
+    why="0.3.0 refuses models without vLLM's SupportsEagle3 interface although capture only needs `layers`",
+    vllm_change="models gained SupportsEagle3 late (Qwen3-MoE 0.11.2, DeepSeek-V2/V3 0.18.1; Mixtral never)",
+    detect="custom_worker defines the name supports_eagle3",
+    delete_when="speculators 0.3.0 is no longer supported (0.4.x checks for `layers` instead)",
     side="worker",
     probe=probe_capture_gate,
     apply=apply_capture_gate,

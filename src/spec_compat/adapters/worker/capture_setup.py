@@ -83,15 +83,17 @@ def apply_capture_setup(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CAPTURE_SETUP = Adapter(
     id="capture-setup",
-    notes="""
-    why: the embedding method was renamed; Model Runner V2, llama_4_scaling and sequence-parallel MoE make speculators'
-        capture wrong or crash later: alias the name, refuse the rest at set-up
-    vllm change: 0.11.2 get_input_embeddings -> embed_input_ids; 0.12.0 llama_4_scaling (DeepseekV2); 0.22.1 Model
-        Runner V2 default on GPU; 0.25.1 token-sharded DeepseekV2 layers
-    detect: AST: which embedding name speculators' forward calls, and whether it reads input_batch
-    delete when: speculators' capture forward is replaced by vLLM-native aux hidden-state capture
-    patches: custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture
-    """,
+    patches=("speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",),
+    why=(
+        "the embedding method was renamed; Model Runner V2, llama_4_scaling and sequence-parallel MoE make "
+        "speculators' capture wrong or crash later: alias the name, refuse the rest at set-up"
+    ),
+    vllm_change=(
+        "0.11.2 get_input_embeddings -> embed_input_ids; 0.12.0 llama_4_scaling (DeepseekV2); 0.22.1 Model Runner V2 "
+        "default on GPU; 0.25.1 token-sharded DeepseekV2 layers"
+    ),
+    detect="AST: which embedding name speculators' forward calls, and whether it reads input_batch",
+    delete_when="speculators' capture forward is replaced by vLLM-native aux hidden-state capture",
     side="worker",
     probe=probe_embed_alias,
     apply=apply_capture_setup,

@@ -43,16 +43,19 @@ def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
 
 CAPTURED_STATES_SHARED_MEMORY = Adapter(
     id="captured-states-shared-memory",
-    notes="""
-    why: the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message queue and the
-        driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 (GPU_NOTES 'Turn-2
-        measurements')
-    vllm change: none: all releases send RPC replies by pickling them
-    detect: the worker defines _get_captured_states; active only in workers whose driver set the transfer directory
-        (executor-shared-memory-replies)
-    delete when: vLLM offers a zero-copy tensor channel from workers to the driver
-    patches: HiddenStatesWorkerExtension._get_captured_states (reply through a shared-memory segment)
-    """,
+    patches=("speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._get_captured_states",),
+    how="reply through a shared-memory segment",
+    why=(
+        "the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message queue and "
+        "the driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 (GPU_NOTES 'Turn-2 "
+        "measurements')"
+    ),
+    vllm_change="none: all releases send RPC replies by pickling them",
+    detect=(
+        "the worker defines _get_captured_states; active only in workers whose driver set the transfer directory "
+        "(executor-shared-memory-replies)"
+    ),
+    delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
     side="worker",
     probe=probe_shared_memory_states,
     apply=apply_shared_memory_states,

@@ -58,14 +58,14 @@ def apply_layer_kwargs(ctx: Context, patcher: AdapterPatcher) -> None:
 
 LAYER_KWARGS = Adapter(
     id="layer-kwargs",
-    notes="""
-    why: the model's forward hands extra keywords to every layer; speculators' capture forward drops (0.4) or rejects
-        (0.3) them
-    vllm change: 0.15.1 LlamaModel.forward(..., **extra_layer_kwargs)
-    detect: at run time: the forward receives non-None extra keywords
-    delete when: speculators' capture forward passes layer keywords through
-    patches: custom_worker._patched_forward
-    """,
+    patches=("speculators.data_generation.custom_worker._patched_forward",),
+    why=(
+        "the model's forward hands extra keywords to every layer; speculators' capture forward drops (0.4) or "
+        "rejects (0.3) them"
+    ),
+    vllm_change="0.15.1 LlamaModel.forward(..., **extra_layer_kwargs)",
+    detect="at run time: the forward receives non-None extra keywords",
+    delete_when="speculators' capture forward passes layer keywords through",
     side="worker",
     probe=probe_layer_kwargs,
     apply=apply_layer_kwargs,

@@ -50,13 +50,15 @@ def apply_loud_worker_errors(ctx: Context, patcher: AdapterPatcher) -> None:
 
 LOUD_WORKER_ERRORS = Adapter(
     id="loud-worker-errors",
-    notes="""
-    why: a worker exception reaches the caller as `Worker failed with error ''`: no type, rank or traceback
-    vllm change: all releases: WorkerProc replies (FAILURE, str(exc))
-    detect: always
-    delete when: vLLM transports exception type and traceback from workers
-    patches: every HiddenStatesWorkerExtension method and custom_worker._patched_forward
-    """,
+    patches=(
+        "speculators.data_generation.custom_worker.HiddenStatesWorkerExtension.*",
+        "speculators.data_generation.custom_worker._patched_forward",
+    ),
+    how="every HiddenStatesWorkerExtension method",
+    why="a worker exception reaches the caller as `Worker failed with error ''`: no type, rank or traceback",
+    vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
+    detect="always",
+    delete_when="vLLM transports exception type and traceback from workers",
     side="worker",
     probe=probe_loud_worker_errors,
     apply=apply_loud_worker_errors,

@@ -89,19 +89,23 @@ def apply_wrapper_base_model(ctx: Context, patcher: AdapterPatcher) -> None:
 
 WRAPPER_BASE_MODEL = Adapter(
     id="wrapper-base-model",
-    notes="""
-    why: capture set-up of a multimodal wrapper fails: AttributeError: 'KimiK25ForConditionalGeneration' object has no
-        attribute 'model' (0.3.0 reads model.model; 0.4.x get_language_model().model, whose shape differs between
-        releases and models)
-    vllm change: none for one release: multimodal wrappers keep their text model as `.language_model`
-        (KimiK25ForConditionalGeneration in 0.32.0, Llava-style models), not `.model`; what get_language_model()
-        (SupportsMultiModal) returns depends on the release and the model
-    detect: AST: which of model / get_language_model the set-up reads; at set-up: whether that lookup gives a module
-        with `layers`, else the base model found by probing (get_language_model(), then the one child holding a decoder
-        stack)
-    delete when: speculators finds the base model through vLLM's own interface for every model
-    patches: custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture
-    """,
+    patches=("speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._setup_hidden_states_capture",),
+    why=(
+        "capture set-up of a multimodal wrapper fails: AttributeError: 'KimiK25ForConditionalGeneration' object has "
+        "no attribute 'model' (0.3.0 reads model.model; 0.4.x get_language_model().model, whose shape differs "
+        "between releases and models)"
+    ),
+    vllm_change=(
+        "none for one release: multimodal wrappers keep their text model as `.language_model` "
+        "(KimiK25ForConditionalGeneration in 0.32.0, Llava-style models), not `.model`; what get_language_model() "
+        "(SupportsMultiModal) returns depends on the release and the model"
+    ),
+    detect=(
+        "AST: which of model / get_language_model the set-up reads; at set-up: whether that lookup gives a module "
+        "with `layers`, else the base model found by probing (get_language_model(), then the one child holding a "
+        "decoder stack)"
+    ),
+    delete_when="speculators finds the base model through vLLM's own interface for every model",
     side="worker",
     probe=probe_wrapper_base_model,
     apply=apply_wrapper_base_model,

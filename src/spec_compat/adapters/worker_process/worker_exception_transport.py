@@ -44,13 +44,12 @@ def apply_exception_transport(ctx: Context, patcher: AdapterPatcher) -> None:
 
 WORKER_EXCEPTION_TRANSPORT = Adapter(
     id="worker-exception-transport",
-    notes="""
-    why: any worker RPC failure (vLLM's own execute_model included) reaches the caller as str(exc) only
-    vllm change: all releases: WorkerProc replies (FAILURE, str(exc))
-    detect: WorkerProc defines handle_output
-    delete when: vLLM transports exception type and traceback from workers
-    patches: vllm WorkerProc.handle_output, in spec_compat's worker processes only
-    """,
+    patches=("vllm.v1.executor.multiproc_executor.WorkerProc.handle_output",),
+    how="in spec_compat's worker processes only",
+    why="any worker RPC failure (vLLM's own execute_model included) reaches the caller as str(exc) only",
+    vllm_change="all releases: WorkerProc replies (FAILURE, str(exc))",
+    detect="WorkerProc defines handle_output",
+    delete_when="vLLM transports exception type and traceback from workers",
     side="worker-process",
     probe=probe_exception_transport,
     apply=apply_exception_transport,

@@ -41,16 +41,18 @@ def apply_worker_stack_dump(ctx: Context, patcher: AdapterPatcher) -> None:
 
 WORKER_STACK_DUMP = Adapter(
     id="worker-stack-dump",
-    notes="""
-    why: a rank that never answers must say where it is stuck: the driver's hang report (WorkerTimeout) carries every
-        thread's Python stack of each silent rank, taken at the deadline
-    vllm change: none: vLLM workers have no stack-dump hook (a stuck rank is silent on every release)
-    detect: SIGUSR2 and faulthandler.register exist; the driver's executor set SPEC_COMPAT_WATCHDOG_DIR
-        (executor-rpc-deadline)
-    delete when: vLLM reports stuck workers' stacks itself
-    patches: faulthandler.register(SIGUSR2, <watchdog dir>/<pid>.stack, all_threads=True), in spec_compat's worker
-        processes only
-    """,
+    patches=("faulthandler.register()",),
+    how="SIGUSR2 -> <watchdog dir>/<pid>.stack, all_threads=True, in spec_compat's worker processes only",
+    why=(
+        "a rank that never answers must say where it is stuck: the driver's hang report (WorkerTimeout) carries "
+        "every thread's Python stack of each silent rank, taken at the deadline"
+    ),
+    vllm_change="none: vLLM workers have no stack-dump hook (a stuck rank is silent on every release)",
+    detect=(
+        "SIGUSR2 and faulthandler.register exist; the driver's executor set SPEC_COMPAT_WATCHDOG_DIR "
+        "(executor-rpc-deadline)"
+    ),
+    delete_when="vLLM reports stuck workers' stacks itself",
     side="worker-process",
     probe=probe_worker_stack_dump,
     apply=apply_worker_stack_dump,

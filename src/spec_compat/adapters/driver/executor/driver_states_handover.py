@@ -51,15 +51,18 @@ def probe_states_handover(ctx: Context) -> Probe:
 
 DRIVER_STATES_HANDOVER = Adapter(
     id="driver-states-handover",
-    notes="""
-    why: speculators' per-tensor clone() of the reply took 0.24 s of a 0.46 s call (H200, 5B MoE, 1.5-2k-token
-        prompts; 0.10 s into reused, faulted-in memory): docs/benchmarks.md, prompt sets
-    vllm change: none: speculators' generate() copies every captured tensor (0.3.0 and 0.4.x)
-    detect: AST: generate() calls .clone(); the replies come over shared memory (executor-shared-memory-replies)
-    delete when: speculators stops cloning tensors it owns, or vLLM hands the driver tensors it may keep
-    patches: MultiprocExecutor.collective_rpc (the tensors of a shared-memory reply become CloneSource views whose
-        clone() returns a plain tensor over the same bytes, keeping the segment's lease; a second clone copies)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how=(
+        "hook StatesHandover: the tensors of a shared-memory reply become CloneSource views whose clone() returns a "
+        "plain tensor over the same bytes, keeping the segment's lease; a second clone copies"
+    ),
+    why=(
+        "speculators' per-tensor clone() of the reply took 0.24 s of a 0.46 s call (H200, 5B MoE, 1.5-2k-token "
+        "prompts; 0.10 s into reused, faulted-in memory): docs/benchmarks.md, prompt sets"
+    ),
+    vllm_change="none: speculators' generate() copies every captured tensor (0.3.0 and 0.4.x)",
+    detect="AST: generate() calls .clone(); the replies come over shared memory (executor-shared-memory-replies)",
+    delete_when="speculators stops cloning tensors it owns, or vLLM hands the driver tensors it may keep",
     side="driver",
     probe=probe_states_handover,
     apply=apply_states_handover,

@@ -266,13 +266,16 @@ def apply_executor(ctx: Context, patcher: AdapterPatcher) -> None:
 
 EXECUTOR = Adapter(
     id="executor",
-    notes="""
-    why: the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker errors are adapted
-    vllm change: see the executor-* adapters
-    detect: always
-    delete when: the last executor-* adapter is deleted
-    patches: vllm_hidden_states_generator.MultiprocExecutor (a subclass; behaviours switched by the adapters below)
-    """,
+    patches=(
+        "speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor",
+        "speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.extension_methods",
+        "speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",
+    ),
+    how="a subclass that runs the executor hooks the adapters below register",
+    why="the executor is where RPC reply shapes, the execute/sample protocol, KV layout and worker errors are adapted",
+    vllm_change="see the executor-* adapters",
+    detect="always",
+    delete_when="the last executor-* adapter is deleted",
     side="driver",
     probe=probe_executor,
     apply=apply_executor,

@@ -43,13 +43,12 @@ def apply_all_ranks_reply(ctx: Context, patcher: AdapterPatcher) -> None:
 
 EXECUTOR_ALL_RANKS_REPLY = Adapter(
     id="executor-all-ranks-reply",
-    notes="""
-    why: with unique_reply_rank=k an exception on another rank is only logged in that worker
-    vllm change: all releases (vLLM #23985)
-    detect: always
-    delete when: vLLM reports failures from every rank
-    patches: MultiprocExecutor.collective_rpc for speculators' worker methods
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook AllRanksReply: collective_rpc for speculators' worker methods asks every rank",
+    why="with unique_reply_rank=k an exception on another rank is only logged in that worker",
+    vllm_change="all releases (vLLM #23985)",
+    detect="always",
+    delete_when="vLLM reports failures from every rank",
     side="driver",
     probe=probe_all_ranks_reply,
     apply=apply_all_ranks_reply,

@@ -92,16 +92,19 @@ def probe_close_queues(ctx: Context) -> Probe:
 
 EXECUTOR_CLOSE_QUEUES = Adapter(
     id="executor-close-queues",
-    notes="""
-    why: the driver hangs forever after the work is done: pyzmq's Context.__del__ blocks in term() when a message
-        queue's context and sockets are collected together (found by the version matrix on vLLM 0.29.0 at the first
-        gc.collect() after shutdown)
-    vllm change: every release up to 0.31.0 leaves MessageQueue's per-queue zmq context to the GC; 0.32.0 closes the
-        sockets with linger=0 from a weakref finalizer (the probe decides, per the matrix)
-    detect: vllm.distributed.device_communicators.shm_broadcast never closes a socket with linger=0
-    delete when: vLLM releases without the MessageQueue finalizer are no longer supported
-    patches: MultiprocExecutor.shutdown (then destroy the message queues' zmq contexts with linger=0)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook CloseQueues: at shutdown, destroy the message queues' zmq contexts with linger=0",
+    why=(
+        "the driver hangs forever after the work is done: pyzmq's Context.__del__ blocks in term() when a message "
+        "queue's context and sockets are collected together (found by the version matrix on vLLM 0.29.0 at the first "
+        "gc.collect() after shutdown)"
+    ),
+    vllm_change=(
+        "every release up to 0.31.0 leaves MessageQueue's per-queue zmq context to the GC; 0.32.0 closes the sockets "
+        "with linger=0 from a weakref finalizer (the probe decides, per the matrix)"
+    ),
+    detect="vllm.distributed.device_communicators.shm_broadcast never closes a socket with linger=0",
+    delete_when="vLLM releases without the MessageQueue finalizer are no longer supported",
     side="driver",
     probe=probe_close_queues,
     apply=apply_close_queues,

@@ -44,13 +44,12 @@ def probe_kv_layout(ctx: Context) -> Probe:
 
 EXECUTOR_KV_LAYOUT = Adapter(
     id="executor-kv-layout",
-    notes="""
-    why: workers fail allocating the KV cache: layout never resolved
-    vllm change: 0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)
-    detect: hasattr(MultiprocExecutor, 'set_kv_cache_layout')
-    delete when: the layout is resolved inside initialize_from_config
-    patches: MultiprocExecutor.__init__ (resolve and publish the KV cache layout)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook ResolveKvLayout: once the workers are up, resolve and publish the KV cache layout",
+    why="workers fail allocating the KV cache: layout never resolved",
+    vllm_change="0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)",
+    detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
+    delete_when="the layout is resolved inside initialize_from_config",
     side="driver",
     probe=probe_kv_layout,
     apply=apply_kv_layout,

@@ -46,14 +46,15 @@ def probe_v1_model_runner(ctx: Context) -> Probe:
 
 EXECUTOR_MODEL_RUNNER_V1 = Adapter(
     id="executor-model-runner-v1",
-    notes="""
-    why: speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices captures in V1 batch
-        order, V2 sorts the batch by token count (silently wrong)
-    vllm change: 0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models
-    detect: AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER
-    delete when: vLLM drops the V1 runner (then the capture must learn V2's batch order)
-    patches: VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook ForceV1ModelRunner: VLLM_USE_V2_MODEL_RUNNER=0 in the environment while the workers start (if unset)",
+    why=(
+        "speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices captures in V1 "
+        "batch order, V2 sorts the batch by token count (silently wrong)"
+    ),
+    vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
+    detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
+    delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
     side="driver",
     probe=probe_v1_model_runner,
     apply=apply_v1_model_runner,

@@ -48,14 +48,15 @@ def probe_reply_shape(ctx: Context) -> Probe:
 
 EXECUTOR_REPLY_SHAPE = Adapter(
     id="executor-reply-shape",
-    notes="""
-    why: 0.3.0 indexes [0] on the reply, now the first layer's tensor ('Boolean value of Tensor ... is ambiguous'); the
-        771 x [512] corruption in the user's story
-    vllm change: 0.11.2 returns the bare rank-k result instead of [result]
-    detect: AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator
-    delete when: speculators 0.3.0 is no longer supported
-    patches: MultiprocExecutor.collective_rpc(unique_reply_rank=k) result
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook ReplyAsList: the collective_rpc(unique_reply_rank=k) result",
+    why=(
+        "0.3.0 indexes [0] on the reply, now the first layer's tensor ('Boolean value of Tensor ... is ambiguous'); "
+        "the 771 x [512] corruption in the user's story"
+    ),
+    vllm_change="0.11.2 returns the bare rank-k result instead of [result]",
+    detect="AST: speculators subscripts the reply; signature: collective_rpc has kv_output_aggregator",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="driver",
     probe=probe_reply_shape,
     apply=apply_reply_shape,

@@ -235,17 +235,20 @@ def apply_rpc_deadline(ctx: Context, patcher: AdapterPatcher) -> None:
 
 EXECUTOR_RPC_DEADLINE = Adapter(
     id="executor-rpc-deadline",
-    notes="""
-    why: speculators' RPCs pass no timeout: a rank blocked forever (tried: rank 1 inside _get_captured_states, TP=2)
-        left generate() waiting with no output for as long as one waited (issue 14); vLLM's own model-step deadline (300
-        s) is too short for a first step without warm-up and its TimeoutError names no rank
-    vllm change: none: every release's collective_rpc(timeout=) defaults to None for callers that pass none
-    detect: collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)
-    delete when: vLLM gives every worker RPC a deadline and reports the stuck ranks
-    patches: MultiprocExecutor.__init__ / collective_rpc / shutdown (timeout= on generate()'s model steps and
-        speculators' worker RPCs; replies counted per rank; a timeout becomes WorkerTimeout with the silent ranks'
-        stacks and process states, then the engine is shut down; later calls raise EngineStopped)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how=(
+        "hook RpcDeadline: timeout= on generate()'s model steps and speculators' worker RPCs; replies counted per "
+        "rank; a timeout becomes WorkerTimeout with the silent ranks' stacks and process states, then the engine is "
+        "shut down; later calls raise EngineStopped"
+    ),
+    why=(
+        "speculators' RPCs pass no timeout: a rank blocked forever (tried: rank 1 inside _get_captured_states, TP=2) "
+        "left generate() waiting with no output for as long as one waited (issue 14); vLLM's own model-step deadline "
+        "(300 s) is too short for a first step without warm-up and its TimeoutError names no rank"
+    ),
+    vllm_change="none: every release's collective_rpc(timeout=) defaults to None for callers that pass none",
+    detect="collective_rpc and MessageQueue.dequeue accept timeout (every release 0.10.2-0.33.0)",
+    delete_when="vLLM gives every worker RPC a deadline and reports the stuck ranks",
     side="driver",
     probe=probe_rpc_deadline,
     apply=apply_rpc_deadline,

@@ -37,13 +37,12 @@ def probe_sample_tokens(ctx: Context) -> Probe:
 
 EXECUTOR_SAMPLE_TOKENS = Adapter(
     id="executor-sample-tokens",
-    notes="""
-    why: 'State error: sample_tokens() must be called after execute_model() returns None.'
-    vllm change: 0.11.2 split execute_model / sample_tokens
-    detect: hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it
-    delete when: speculators 0.3.0 is no longer supported
-    patches: MultiprocExecutor.execute_model (calls sample_tokens(None) when execute_model returns None)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook SampleAfterExecute: execute_model calls sample_tokens(None) when execute_model returns None",
+    why="'State error: sample_tokens() must be called after execute_model() returns None.'",
+    vllm_change="0.11.2 split execute_model / sample_tokens",
+    detect="hasattr(MultiprocExecutor, 'sample_tokens') and AST: speculators never calls it",
+    delete_when="speculators 0.3.0 is no longer supported",
     side="driver",
     probe=probe_sample_tokens,
     apply=apply_sample_tokens,

@@ -65,15 +65,18 @@ def probe_shared_memory_replies(ctx: Context) -> Probe:
 
 EXECUTOR_SHARED_MEMORY_REPLIES = Adapter(
     id="executor-shared-memory-replies",
-    notes="""
-    why: see captured-states-shared-memory: the driver maps the segment instead of unpickling 192 tensors, and skips its
-        CPU NaN/Inf scan when the worker checked on the device
-    vllm change: none: all releases send RPC replies by pickling them
-    detect: POSIX flock and mmap (Linux, macOS)
-    delete when: vLLM offers a zero-copy tensor channel from workers to the driver
-    patches: MultiprocExecutor.__init__ / collective_rpc / shutdown (a transfer directory for the workers; descriptors
-        in speculators' replies become tensors over shared memory)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how=(
+        "hook SharedMemoryReplies: a transfer directory for the workers, removed at shutdown; descriptors in "
+        "speculators' replies become tensors over shared memory"
+    ),
+    why=(
+        "see captured-states-shared-memory: the driver maps the segment instead of unpickling 192 tensors, and skips "
+        "its CPU NaN/Inf scan when the worker checked on the device"
+    ),
+    vllm_change="none: all releases send RPC replies by pickling them",
+    detect="POSIX flock and mmap (Linux, macOS)",
+    delete_when="vLLM offers a zero-copy tensor channel from workers to the driver",
     side="driver",
     probe=probe_shared_memory_replies,
     apply=apply_shared_memory_replies,

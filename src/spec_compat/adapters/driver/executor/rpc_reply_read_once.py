@@ -70,14 +70,15 @@ def probe_read_once_reply(ctx: Context) -> Probe:
 
 RPC_REPLY_READ_ONCE = Adapter(
     id="rpc-reply-read-once",
-    notes="""
-    why: driver peak memory ~2x the returned bytes (benchmarks #5: 1.87x / 2.00x for 10k tokens x 4 layers): generate()
-        clones every captured tensor while the whole reply stays referenced
-    vllm change: none: speculators 0.4.x's generate() pattern (clone per request of a dict reply)
-    detect: AST: generate() reads the unique reply by key at one place, inside a for loop
-    delete when: speculators releases the reply entries itself (or stops cloning tensors it owns)
-    patches: MultiprocExecutor.collective_rpc (a dict reply of speculators' RPCs becomes a read-once mapping)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how="hook ReadOnce: a dict reply of speculators' RPCs becomes a read-once mapping",
+    why=(
+        "driver peak memory ~2x the returned bytes (benchmarks #5: 1.87x / 2.00x for 10k tokens x 4 layers): "
+        "generate() clones every captured tensor while the whole reply stays referenced"
+    ),
+    vllm_change="none: speculators 0.4.x's generate() pattern (clone per request of a dict reply)",
+    detect="AST: generate() reads the unique reply by key at one place, inside a for loop",
+    delete_when="speculators releases the reply entries itself (or stops cloning tensors it owns)",
     side="driver",
     probe=probe_read_once_reply,
     apply=apply_read_once_reply,

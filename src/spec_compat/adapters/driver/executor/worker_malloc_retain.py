@@ -62,15 +62,18 @@ def probe_worker_malloc(ctx: Context) -> Probe:
 
 WORKER_MALLOC_RETAIN = Adapter(
     id="worker-malloc-retain",
-    notes="""
-    why: throughput on CPU MoE TP=2 was 0.8x vLLM's own LLM.generate: page faults after glibc returns the capture
-        copies' memory to the kernel (benchmarks #5, docs/benchmarks.md section 3)
-    vllm change: none: speculators' worker-side capture copies on the CPU platform
-    detect: platform is cpu (captures in host memory) and the variables are not all set by the user
-    delete when: speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc
-    patches: environment of the worker processes spec_compat's executor starts (MALLOC_MMAP_THRESHOLD_,
-        MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; each only if unset)
-    """,
+    patches=("speculators.data_generation.vllm_hidden_states_generator.MultiprocExecutor.hooks",),
+    how=(
+        "hook WorkerMalloc: the environment of the worker processes spec_compat's executor starts "
+        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; each only if unset)"
+    ),
+    why=(
+        "throughput on CPU MoE TP=2 was 0.8x vLLM's own LLM.generate: page faults after glibc returns the capture "
+        "copies' memory to the kernel (benchmarks #5, docs/benchmarks.md section 3)"
+    ),
+    vllm_change="none: speculators' worker-side capture copies on the CPU platform",
+    detect="platform is cpu (captures in host memory) and the variables are not all set by the user",
+    delete_when="speculators captures without per-step copies, or vLLM's CPU workers preload tcmalloc",
     side="driver",
     probe=probe_worker_malloc,
     apply=apply_worker_malloc,
