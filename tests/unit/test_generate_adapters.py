@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from spec_compat.adapters.contract import contract_violations, int64_key, known_input_keys
 from spec_compat.adapters.driver.input_order import reorder_to_inputs
-from spec_compat.adapters.driver.input_validation import normalise_token_ids
-from spec_compat.adapters.driver.single_step_batches import plan_single_step_batches
+from spec_compat.adapters.driver.input_validation import normalise_token_ids, validated_rows
+from spec_compat.adapters.driver.single_step_batches import _verify_worker_order, plan_single_step_batches
 from spec_compat.detect import detect
-from spec_compat.errors import ResultContractError
+from spec_compat.errors import IncompatibleError, ResultContractError
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
 from spec_compat.registry import BY_ID
@@ -174,3 +176,53 @@ def test_single_step_planner() -> None:
 def test_normalise_accepts_tensors_and_tuples() -> None:
     assert normalise_token_ids(torch.tensor([[1, 2], [3, 4]]), 10) == [[1, 2], [3, 4]]
     assert normalise_token_ids(([1], (2, 3), torch.tensor([4])), None) == [[1], [2, 3], [4]]
+
+
+def test_validated_rows_give_each_row_its_int64_key_and_the_contract_reads_it_back() -> None:
+    rows, keys = validated_rows([[1, 2, 3], (4, 5)], 10)
+    assert rows == [[1, 2, 3], [4, 5]]
+    assert keys == [array("q", [1, 2, 3]).tobytes(), array("q", [4, 5]).tobytes()]
+    with pytest.raises(ValueError, match=r"token_ids\[0\]\[1\] = 18446744073709551616 is outside the vocabulary"):
+        validated_rows([[1, 2**64]], 10)  # beyond int64: the slow path names it
+    other = [1, 2, 3]  # equal to rows[0], another object: its key is computed, not looked up
+    with known_input_keys(rows, [b"planted", None]):
+        assert int64_key(rows[0]) == b"planted"  # the row object itself: the key validation made
+        assert int64_key(other) == keys[0]
+        assert int64_key(rows[1]) == keys[1]  # no key given for it: computed
+    assert int64_key(rows[0]) == keys[0]  # outside the call: computed again
+    results = [{"input_ids": torch.tensor(row), "hidden_states": [torch.zeros(len(row), 4)]} for row in rows]
+    with known_input_keys(rows, keys):
+        assert reorder_to_inputs(results[::-1], rows) == results
+        assert contract_violations(results, rows, [0], 4) == []
+        assert contract_violations(results[::-1], rows, [0], 4) != []
+
+
+class _WorkerLogExecutor:
+    def __init__(self, log: list[list[str | None]]) -> None:
+        self.log = log
+
+    def collective_rpc(self, method: str) -> list[list[list[str | None]]]:
+        assert method == "_spec_compat_take_batch_log"
+        log, self.log = self.log, []
+        return [log]
+
+
+@pytest.mark.parametrize(
+    ("log", "ok"),
+    [
+        ([["req_0_0", "req_0_1"], ["req_1_0"]], True),
+        ([[], ["req_0_0", "req_0_1"], ["req_0_0", "req_0_1", None], ["req_1_0"]], True),  # dummy, repeat
+        ([["req_0_1", "req_0_0"], ["req_1_0"]], False),  # the worker permuted the first step
+        ([["req_1_0"], ["req_0_0", "req_0_1"]], False),  # steps out of order
+        ([["req_0_0"], ["req_1_0"]], False),  # a request missing from the first step
+    ],
+)
+def test_worker_order_is_checked_once_per_call_against_every_step(log: list[list[str | None]], ok: bool) -> None:
+    generator = type("Generator", (), {"executor": _WorkerLogExecutor(log)})()
+    steps = [["req_0_0", "req_0_1"], ["req_1_0"]]
+    if ok:
+        _verify_worker_order(generator, steps)
+    else:
+        with pytest.raises(IncompatibleError, match="wrong requests"):
+            _verify_worker_order(generator, steps)
+    assert generator.executor.log == []  # the log was taken either way

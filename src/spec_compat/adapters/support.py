@@ -201,6 +201,7 @@ def max_prompt_len(generator: Any) -> int:
 
 
 def as_run(generator: Any, token_ids: Sequence[Any]) -> list[list[int]]:
-    """The inputs as speculators runs them: each cut to max_model_len - 1 tokens."""
+    """The inputs as speculators runs them: each cut to max_model_len - 1 tokens (a list that fits is
+    passed on as it is, read only, so its int64 key from input-validation is found again)."""
     limit = max_prompt_len(generator)
-    return [list(ids)[:limit] for ids in token_ids]
+    return [ids if type(ids) is list and len(ids) <= limit else list(ids)[:limit] for ids in token_ids]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import ast
-from array import array
 from collections import defaultdict, deque
 from typing import Any
 
 from ...options import Context
 from ...patching import AdapterPatcher
 from .. import speculators_code
+from ..contract import int64_key
 from ..probe import Probe
 from ..speculators_code import generator_module
 from ..support import GeneratorMethod, Run, as_run, wrap_generate
@@ -33,23 +33,14 @@ def probe_input_order(ctx: Context) -> Probe:
     return Probe(False, "generate() returns results in input order")
 
 
-def _ids_key(ids: Any) -> bytes:
-    """The token ids as int64 bytes: an exact key that hashes and compares in C."""
-    import torch
-
-    if isinstance(ids, torch.Tensor):
-        return bytes(ids.to(torch.int64).contiguous().numpy().tobytes())
-    return array("q", ids).tobytes()
-
-
 def reorder_to_inputs(results: list[Any], inputs: list[list[int]]) -> list[Any]:
     """Put results back in input order by their input_ids (equal inputs are interchangeable)."""
     by_ids: defaultdict[bytes, deque[Any]] = defaultdict(deque)
     for result in results:
-        by_ids[_ids_key(result["input_ids"])].append(result)
+        by_ids[int64_key(result["input_ids"])].append(result)
     ordered = []
     for ids in inputs:
-        queue = by_ids.get(_ids_key(ids))
+        queue = by_ids.get(int64_key(ids))
         if not queue:
             return results  # leave it to the contract check to say what is wrong
         ordered.append(queue.popleft())

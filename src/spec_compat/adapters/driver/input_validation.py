@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from array import array
 from typing import Any
 
 from ...options import Context
 from ...patching import AdapterPatcher
+from ..contract import known_input_keys
 from ..probe import Probe
 from ..support import Run, max_prompt_len, wrap_generate
 from ..unit import Adapter
@@ -23,6 +25,13 @@ def _vocab_size(generator: Any) -> int | None:
 
 def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int]]:
     """The batch as lists of ints, or a ValueError/TypeError that names the bad element."""
+    return validated_rows(token_ids, vocab_size)[0]
+
+
+def validated_rows(token_ids: Any, vocab_size: int | None) -> tuple[list[list[int]], list[bytes | None]]:
+    """The batch as lists of ints and each list's int64 bytes (None where a row took the slow path),
+    or a ValueError/TypeError that names the bad element."""
+    import numpy as np
     import torch
 
     if isinstance(token_ids, torch.Tensor):
@@ -40,6 +49,7 @@ def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int
     if not rows:
         raise ValueError("token_ids is empty: pass at least one sequence")
     batch: list[list[int]] = []
+    keys: list[bytes | None] = []
     for i, row in enumerate(rows):
         if isinstance(row, torch.Tensor):
             if row.ndim != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
@@ -49,16 +59,25 @@ def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int
             raise TypeError(f"token_ids[{i}] must be a sequence of ints, got {type(row).__name__}")
         if len(row) == 0:
             raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
-        if set(map(type, row)) == {int} and min(row) >= 0 and (vocab_size is None or max(row) < vocab_size):
-            batch.append(list(row))  # the common case, checked in C loops; the loop below names a bad token
-            continue
+        if set(map(type, row)) == {int}:  # the common case, checked in C loops (bool is a type of its own)
+            try:
+                key = array("q", row)
+            except OverflowError:
+                key = None  # beyond int64: the loop below names it
+            if key is not None:
+                values = np.frombuffer(key, dtype=np.int64)
+                if values.min() >= 0 and (vocab_size is None or values.max() < vocab_size):
+                    batch.append(list(row))
+                    keys.append(key.tobytes())
+                    continue
         for j, token in enumerate(row):
             if isinstance(token, bool) or not isinstance(token, int):
                 raise TypeError(f"token_ids[{i}][{j}] = {token!r} is not an int")
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise ValueError(f"token_ids[{i}][{j}] = {token} is outside the vocabulary [0, {vocab_size})")
         batch.append(list(row))
-    return batch
+        keys.append(None)
+    return batch, keys
 
 
 def _refuse_unschedulable(generator: Any, lengths: list[int]) -> None:
@@ -85,7 +104,7 @@ def probe_input_validation(ctx: Context) -> Probe:
 
 def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
     def validated(generator: Any, token_ids: Any, run: Run) -> Any:
-        batch = normalise_token_ids(token_ids, _vocab_size(generator))
+        batch, keys = validated_rows(token_ids, _vocab_size(generator))
         limit = max_prompt_len(generator)
         _refuse_unschedulable(generator, [min(len(ids), limit) for ids in batch])
         too_long = [i for i, ids in enumerate(batch) if len(ids) > limit]
@@ -95,7 +114,8 @@ def apply_input_validation(ctx: Context, patcher: AdapterPatcher) -> None:
                 f"max_model_len - 1 = {limit} tokens and are truncated to it, as speculators does",
                 stacklevel=2,
             )
-        return run(batch)
+        with known_input_keys(batch, keys):
+            return run(batch)
 
     wrap_generate(ctx, patcher, validated)
 

@@ -62,7 +62,8 @@ def plan_single_step_batches(
     return batches
 
 
-def _verify_single_step(executor: Any, request_lengths: list[int], steps_before: int) -> None:
+def _verify_single_step(executor: Any, request_lengths: list[int], steps_before: int) -> list[str]:
+    """The request ids of the one scheduler step the sub-batch ran in, in scheduled order."""
     steps = executor.step_log[steps_before:]
     ran = [step for step in steps if step]
     if len(ran) != 1:
@@ -73,6 +74,7 @@ def _verify_single_step(executor: Any, request_lengths: list[int], steps_before:
             f"scheduler step did not prefill the sub-batch whole and in order: expected token counts "
             f"{request_lengths}, scheduled {scheduled}"
         )
+    return [req_id for req_id, _ in ran[0]]
 
 
 def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
@@ -90,15 +92,21 @@ def apply_single_step(ctx: Context, patcher: AdapterPatcher) -> None:
             block_size=block_size,
         )
 
+        step_orders: list[list[str]] = []  # the request order of each sub-batch's one step
+
         def run_verified(sub_batch: list[list[int]]) -> Any:
             steps_before = len(getattr(generator.executor, "step_log", []))
             results = run(sub_batch)
             if hasattr(generator.executor, "step_log"):
-                _verify_single_step(generator.executor, [len(ids) for ids in sub_batch], steps_before)
-            _verify_worker_order(generator)
+                lengths = [len(ids) for ids in sub_batch]
+                step_orders.append(_verify_single_step(generator.executor, lengths, steps_before))
             return results
 
-        return run_in_parts(run_verified, ([batch[i] for i in indices] for indices in plan))
+        results = run_in_parts(run_verified, ([batch[i] for i in indices] for indices in plan))
+        # Once per call, not per sub-batch: one RPC for the worker's log of every step (a chat call
+        # of 64 prompts runs 8+ sub-batches); nothing is returned before it is checked.
+        _verify_worker_order(generator, step_orders)
+        return results
 
     wrap_generate(ctx, patcher, in_single_steps)
 
@@ -121,22 +129,26 @@ SINGLE_STEP_BATCHES = Adapter(
 )
 
 
-def _verify_worker_order(generator: Any) -> None:
-    """The worker's batch order for each capture must be the scheduler's (input) order."""
+def _verify_worker_order(generator: Any, step_orders: list[list[str]]) -> None:
+    """The worker's batch order for each capture must be the scheduler's (input) order of its step:
+    every capture the worker logged, in turn, one of ``step_orders`` at or after the previous one's."""
     try:
         logs = generator.executor.collective_rpc("_spec_compat_take_batch_log")
     except Exception:  # noqa: BLE001 - the worker adapter is not there: nothing to compare
         return
     log = logs[0] if isinstance(logs, list) and logs else None
-    if not log:
+    if not log or not step_orders:
         return
-    steps = generator.executor.step_log
-    expected = [req_id for req_id, _ in steps[-1]] if steps else None
+    position = 0
     for worker_order in log:
-        if not worker_order:
+        order = [r for r in worker_order if r is not None]
+        if not order:
             continue  # a dummy/profile forward (vLLM's warm-up on GPU) carries no request
-        if expected is not None and [r for r in worker_order if r is not None] != expected:
+        while position < len(step_orders) and step_orders[position] != order:
+            position += 1
+        if position == len(step_orders):
             raise IncompatibleError(
-                f"the worker batched requests in order {worker_order}, the scheduler in {expected}: "
-                "speculators 0.3.0 would slice states of the wrong requests"
+                f"the worker batched requests in order {worker_order}, the scheduler in "
+                f"{step_orders if len(step_orders) > 1 else step_orders[0]}: speculators 0.3.0 would slice "
+                "states of the wrong requests"
             )
