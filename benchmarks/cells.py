@@ -296,9 +296,9 @@ def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
         return original_rpc(method, *args, **kwargs)
 
     executor.collective_rpc = traced_rpc
-    from spec_compat.adapters import generate as shim_generate
+    from spec_compat.adapters.driver import results_contract
 
-    original_check = shim_generate.check_results
+    original_check = results_contract.check_results
 
     def traced_check(*args: Any, **kwargs: Any) -> Any:
         # Called by spec_compat's results-contract wrapper after speculators' generate() returned.
@@ -308,7 +308,7 @@ def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
         finally:
             monitor.mark("spec_compat check_results end")
 
-    shim_generate.check_results = traced_check
+    results_contract.check_results = traced_check
     monitor.start()
     shmem_before = {pid: _rss_shmem(pid) for pid in monitor.baseline}
     time.sleep(0.2)
@@ -317,7 +317,7 @@ def measure_memory(generator: Any, prompts: list[list[int]]) -> Record:
         results = generator.generate(prompts)
     finally:
         del executor.collective_rpc
-        shim_generate.check_results = original_check
+        results_contract.check_results = original_check
     seconds = time.perf_counter() - start
     monitor.mark("generate returned")
     time.sleep(0.2)
@@ -486,7 +486,7 @@ class Breakdown:
 
 def instrument_shim(generator: Any) -> Breakdown:
     """Time the executor RPCs and spec_compat's own driver-side checks inside generate()."""
-    from spec_compat.adapters import generate as shim_generate
+    from spec_compat.adapters.driver import input_order, input_validation, results_contract
 
     breakdown = Breakdown()
     executor = generator.executor
@@ -494,8 +494,13 @@ def instrument_shim(generator: Any) -> Breakdown:
     breakdown.wrap(executor, "execute_model", lambda args: "execute_model")
     breakdown.wrap(executor, "sample_tokens", lambda args: "sample_tokens")
     breakdown.wrap(generator.scheduler, "schedule", lambda args: "scheduler.schedule")
-    for name in ("check_results", "normalise_token_ids", "reorder_to_inputs"):
-        breakdown.wrap(shim_generate, name, lambda args, name=name: f"spec_compat {name}")  # type: ignore[misc]
+    # each where the generate() wrapper that calls it looks it up
+    for module, name in (
+        (results_contract, "check_results"),
+        (input_validation, "normalise_token_ids"),
+        (input_order, "reorder_to_inputs"),
+    ):
+        breakdown.wrap(module, name, lambda args, name=name: f"spec_compat {name}")  # type: ignore[misc]
     return breakdown
 
 

@@ -13,7 +13,9 @@ import sys
 import time
 from typing import Any
 
-from spec_compat.adapters.executor import make_executor_class
+from spec_compat.adapters.driver.executor.executor import make_executor_class
+from spec_compat.adapters.driver.executor.executor_all_ranks_reply import AllRanksReply
+from spec_compat.adapters.driver.executor.executor_rpc_deadline import RpcDeadline
 
 
 class Queue:
@@ -40,8 +42,9 @@ class Base:
 def executor(timeout_s: float | None) -> Any:
     cls = make_executor_class(type(f"Base{timeout_s}", (Base,), {}))
     cls.extension_methods = frozenset({"_get_captured_states"})
-    cls.all_ranks_reply = True
-    cls.rpc_timeout_s = timeout_s
+    cls.hooks = cls.hooks.adding(AllRanksReply())
+    if timeout_s is not None:
+        cls.hooks = cls.hooks.adding(RpcDeadline(timeout_s))
     return cls(vllm_config=object())
 
 

@@ -138,7 +138,7 @@ def uses_mla(model: Path) -> bool:
 def attention_env(model: Path) -> dict[str, str]:
     """The spec_compat option that picks vLLM's reference MLA backend for an MLA model on CPU, when
     the installed vLLM has it (its AttentionBackendEnum, through VllmConfig.attention_config)."""
-    from spec_compat.adapters.driver_calls import attention_backend_names
+    from spec_compat.adapters.driver.attention_backend import attention_backend_names
     from spec_compat.detect import detect
     from spec_compat.options import ATTENTION_BACKEND_ENV
 

@@ -15,6 +15,10 @@ from shared_constants import TESTED_SPECULATORS
 from engine_harness import CellPool, require_speculators
 
 CELLS = Path(__file__).resolve().parent / "cells"
+GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
+# Declared targets an applied adapter patches on one speculators line only (0.3.0: the torch proxy;
+# 0.4.x: the two names it imports); every other declared target of an applied adapter is patched.
+ONE_LINE_TARGETS = {f"device-memory-query: {GENERATOR}.{name}" for name in ("torch", "mem_get_info", "empty_cache")}
 # Not an engine, but a fresh interpreter importing vLLM per speculators version: slow, kept out of -m "not engine".
 pytestmark = pytest.mark.engine
 
@@ -49,6 +53,10 @@ def test_apply_revert_plan(job: ApplyChecks, engine_cells: CellPool) -> None:
     assert out["patch_ids_not_in_registry"] == [], "every recorded patch must carry its adapter's registry id"
     assert out["applied_without_a_patch"] == [], "an applied adapter records what it patched under its own id"
     assert out["revert_removes_alias"]
+    # each record's patch targets resolve, and name exactly what its apply() patched
+    assert out["targets_unresolved"] == [], "every declared patch target names an object"
+    assert out["patches_undeclared"] == [], "every patch apply() made is one its record declares"
+    assert set(out["targets_not_patched"]) <= ONE_LINE_TARGETS, "an applied adapter patches what it declares"
     assert out["reverted_ids_not_in_registry"] == [], "revert() names only registry adapters"
     assert out["speculators_installed"].startswith(speculators)
     assert out["applied_outside_range"] == [], "an adapter applies only inside its record's speculators range"

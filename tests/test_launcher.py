@@ -26,8 +26,8 @@ import torch
 from shared_constants import LAYER_IDS, MAX_MODEL_LEN, TESTED_SPECULATORS
 
 from engine_harness import CellPool, model_dir, prompts, require_speculators
-from spec_compat.transfer import DIR_PREFIX
-from spec_compat.transfer import _base_directory as transfer_base
+from spec_compat.adapters.transfer import DIR_PREFIX
+from spec_compat.adapters.transfer import _base_directory as transfer_base
 from test_engine import TOLERANCE, _max_rel_diff, hf_reference
 
 CELLS = Path(__file__).resolve().parent / "cells"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from engine_harness import Cell, CellPool, big_batch, model_dir, record_figure
-from spec_compat import transfer
+from spec_compat.adapters import transfer
 
 if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
     from conftest import EngineEnv

@@ -248,16 +248,20 @@ def run_child(spec: dict[str, Any], out_path: str, record: dict[str, Any]) -> No
 
 def spec_compat_cuda_check() -> Callable[[], bool]:
     """spec_compat's own check of whether CUDA's driver was initialised in this process (its module
-    moved when the executor adapter was split; either place)."""
+    moved when the executor adapter was split and again with issue 30; any of its places)."""
     import importlib
 
-    for module in ("spec_compat.adapters.executor_fork", "spec_compat.adapters.executor"):
+    for module in (
+        "spec_compat.adapters.driver.executor.fork",
+        "spec_compat.adapters.executor_fork",
+        "spec_compat.adapters.executor",
+    ):
         try:
             check: Callable[[], bool] = importlib.import_module(module).cuda_driver_initialized
             return check
         except (ImportError, AttributeError):
             continue
-    raise ImportError("spec_compat has no cuda_driver_initialized (adapters.executor_fork or adapters.executor)")
+    raise ImportError("spec_compat has no cuda_driver_initialized (adapters.driver.executor.fork or older places)")
 
 
 def worker_start_methods(executor: Any) -> list[str]:

@@ -26,14 +26,17 @@ def model_runner(decisions: dict[str, Any], platform: str) -> str:
 
 
 def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
-    """The adapter's record beside the decision: what it patches, why, the vLLM change behind it,
-    and when it can be deleted (each unit in its adapters module is the single source; registry.py lists them)."""
-    from .registry import BY_ID
+    """The adapter's record beside the decision: the file that defines it, what it patches (dotted
+    paths) and how, why, the vLLM change behind it, and when it can be deleted (each unit in its
+    adapter file is the single source; registry.py lists them)."""
+    from .registry import BY_ID, adapter_file
 
     adapter = BY_ID.get(decision["id"])
     if adapter is None:
         return decision
-    notes = {k: str(getattr(adapter, k)) for k in ("patches", "why", "vllm_change", "delete_when", "speculators")}
+    notes: dict[str, Any] = {k: str(getattr(adapter, k)) for k in ("how", "why", "vllm_change", "delete_when")}
+    notes |= {"file": adapter_file(adapter.id), "patches": list(adapter.patches)}
+    notes["speculators"] = str(adapter.speculators)
     return {**decision, **notes}
 
 
@@ -108,7 +111,9 @@ def render(result: dict[str, Any], explain: bool = False) -> str:
             mark = "applies" if adapter["applies"] else ("BLOCKS" if adapter["blocking"] else "-")
             lines.append(f"  {adapter['id']:34s} {mark:8s} {adapter['reason']}")
             if explain and adapter["applies"] and "why" in adapter:
-                lines.append(f"      patches:     {adapter['patches']}")
+                how = f" ({adapter['how']})" if adapter.get("how") else ""
+                lines.append(f"      file:        {adapter['file']}")
+                lines.append(f"      patches:     {', '.join(adapter['patches'])}{how}")
                 lines.append(f"      why:         {adapter['why']}")
                 lines.append(f"      vLLM change: {adapter['vllm_change']}")
                 lines.append(f"      delete when: {adapter['delete_when']}")

@@ -165,7 +165,7 @@ def before_speculators_import() -> None:
     """Called by the start-up hook when this process first imports speculators."""
 
     def import_side() -> None:
-        from . import apply_before_import
+        from .engine import apply_before_import
 
         report = apply_before_import()
         if report.problems and is_launched_process():
@@ -184,8 +184,9 @@ def after_generator_import(module: ModuleType) -> None:
 
     def full_apply() -> None:
         import spec_compat
+        from spec_compat.engine import STATE
 
-        if spec_compat._report is not None:  # the program called apply() itself: keep its options
+        if STATE.report is not None:  # the program called apply() itself: keep its options
             return
         strict = os.environ.get(STRICT_ENV) == "1" and is_launched_process()
         report = spec_compat.apply(strict=strict)

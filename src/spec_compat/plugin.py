@@ -18,7 +18,7 @@ def load() -> None:
     options_json = os.environ.get(WORKER_ENV)
     if not options_json:
         return
-    from . import apply_in_worker
+    from .engine import apply_in_worker
 
     report = apply_in_worker(options_json)
     logger.debug("spec_compat worker adapters: %s", report.applied)

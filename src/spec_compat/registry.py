@@ -1,8 +1,10 @@
 """Every adapter spec_compat has, in the order they are applied.
 
-Each adapter is one unit (``adapters.unit.Adapter``) defined in its adapters module beside the probe
-and apply it names: what it patches, why, which vLLM change made it necessary, how it is detected,
-when it can be deleted (vllm-ascend's patch notes are the model), the speculators releases it is for.
+Each adapter is one unit (``adapters.unit.Adapter``) defined in its own file,
+``adapters/<side folder>/<id>.py`` (``adapter_file``), beside the probe and apply it names; its
+typed fields say what it patches (dotted paths a test resolves), why, which vLLM change made it
+necessary, how it is detected, when it can be deleted (vllm-ascend's patch notes are the model),
+the speculators releases it is for. Adding one is its file and one line below (docs/architecture.md).
 This module only lists them, grouped by side, and puts them in an order that satisfies each unit's
 ``after`` / ``before`` ids (``ordered``): the constraints, not list position, decide which wrapper
 of a method wraps which; where no constraint speaks, the written order is kept.
@@ -11,29 +13,75 @@ of a method wraps which; where no constraint speaks, the written order is kept.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
-from .adapters import (
-    cpu_kernels,
-    driver_calls,
+from .adapters.driver import (
+    attention_backend,
+    block_size_from_platform,
+    cpu_rms_norm_strided,
+    device_memory_query,
+    generate_signal_shutdown,
+    input_order,
+    input_validation,
+    kv_config_engine_fields,
+    kv_config_signature,
+    kv_memory_from_workers,
+    layer_ids,
+    model_dtype,
+    prefix_caching_off,
+    request_kwargs,
+    results_contract,
+    scheduler_block_size,
+    scheduler_config_encoder_decoder,
+    sequence_limit,
+    shutdown_at_exit,
+    single_step_batches,
+)
+from .adapters.driver.executor import (
+    driver_states_handover,
     executor,
-    executor_failures,
-    executor_handover,
-    executor_malloc,
-    executor_protocol,
-    executor_replies,
-    executor_transfer,
-    executor_zmq,
-    generate,
-    imports,
-    kv_cache,
-    lifecycle,
-    watchdog,
-    worker,
-    worker_process,
+    executor_all_ranks_reply,
+    executor_close_queues,
+    executor_kv_layout,
+    executor_model_runner_v1,
+    executor_reply_shape,
+    executor_rpc_deadline,
+    executor_sample_tokens,
+    executor_shared_memory_replies,
+    rpc_reply_read_once,
+    worker_malloc_retain,
+)
+from .adapters.import_time import (
+    kv_cache_planning_aliases,
+    transformers_removed_modules,
+    transformers_torch_annotation,
 )
 from .adapters.unit import SUPPORTED_SPECULATORS, Adapter, Side
+from .adapters.worker import (
+    batch_order_log,
+    capture_gate,
+    capture_setup,
+    captured_states_shared_memory,
+    layer_kwargs,
+    loud_worker_errors,
+    wrapper_base_model,
+)
+from .adapters.worker_process import (
+    worker_exception_transport,
+    worker_stack_dump,
+)
 
-__all__ = ["ADAPTERS", "BY_ID", "SUPPORTED_SPECULATORS", "Adapter", "AdapterOrderError", "Side", "ordered"]
+__all__ = [
+    "ADAPTERS",
+    "BY_ID",
+    "SIDE_FOLDERS",
+    "SUPPORTED_SPECULATORS",
+    "Adapter",
+    "AdapterOrderError",
+    "Side",
+    "adapter_file",
+    "ordered",
+]
 
 
 class AdapterOrderError(ValueError):
@@ -77,55 +125,76 @@ def ordered(units: Iterable[Adapter]) -> tuple[Adapter, ...]:
 ADAPTERS: tuple[Adapter, ...] = ordered(
     (
         # ---- before `import speculators` -------------------------------------------------------------
-        imports.TRANSFORMERS_TORCH_ANNOTATION,
-        imports.TRANSFORMERS_REMOVED_MODULES,
-        imports.KV_CACHE_PLANNING_ALIASES,
+        transformers_torch_annotation.TRANSFORMERS_TORCH_ANNOTATION,
+        transformers_removed_modules.TRANSFORMERS_REMOVED_MODULES,
+        kv_cache_planning_aliases.KV_CACHE_PLANNING_ALIASES,
         # ---- worker side (speculators.data_generation.custom_worker) ------------------------------------
-        worker.CAPTURE_GATE,
-        worker.WRAPPER_BASE_MODEL,
-        worker.CAPTURE_SETUP,
-        worker.LAYER_KWARGS,
-        worker.BATCH_ORDER_LOG,
-        worker.CAPTURED_STATES_SHARED_MEMORY,
-        worker.LOUD_WORKER_ERRORS,
-        worker_process.WORKER_EXCEPTION_TRANSPORT,
-        watchdog.WORKER_STACK_DUMP,
+        capture_gate.CAPTURE_GATE,
+        wrapper_base_model.WRAPPER_BASE_MODEL,
+        capture_setup.CAPTURE_SETUP,
+        layer_kwargs.LAYER_KWARGS,
+        batch_order_log.BATCH_ORDER_LOG,
+        captured_states_shared_memory.CAPTURED_STATES_SHARED_MEMORY,
+        loud_worker_errors.LOUD_WORKER_ERRORS,
+        worker_exception_transport.WORKER_EXCEPTION_TRANSPORT,
+        worker_stack_dump.WORKER_STACK_DUMP,
         # ---- driver side: names in speculators.data_generation.vllm_hidden_states_generator -------------
-        driver_calls.MODEL_DTYPE,
-        driver_calls.ATTENTION_BACKEND,
-        driver_calls.BLOCK_SIZE_FROM_PLATFORM,
-        driver_calls.PREFIX_CACHING_OFF,
-        driver_calls.SCHEDULER_CONFIG_ENCODER_DECODER,
-        driver_calls.REQUEST_KWARGS,
-        cpu_kernels.CPU_RMS_NORM_STRIDED,
+        model_dtype.MODEL_DTYPE,
+        attention_backend.ATTENTION_BACKEND,
+        block_size_from_platform.BLOCK_SIZE_FROM_PLATFORM,
+        prefix_caching_off.PREFIX_CACHING_OFF,
+        scheduler_config_encoder_decoder.SCHEDULER_CONFIG_ENCODER_DECODER,
+        request_kwargs.REQUEST_KWARGS,
+        cpu_rms_norm_strided.CPU_RMS_NORM_STRIDED,
         executor.EXECUTOR,
-        executor_failures.EXECUTOR_ALL_RANKS_REPLY,
-        executor_protocol.EXECUTOR_REPLY_SHAPE,
-        executor_protocol.EXECUTOR_SAMPLE_TOKENS,
-        executor_protocol.EXECUTOR_KV_LAYOUT,
-        executor_protocol.EXECUTOR_MODEL_RUNNER_V1,
-        executor_zmq.EXECUTOR_CLOSE_QUEUES,
-        executor_transfer.EXECUTOR_SHARED_MEMORY_REPLIES,
-        executor_handover.DRIVER_STATES_HANDOVER,
-        watchdog.EXECUTOR_RPC_DEADLINE,
-        executor_replies.RPC_REPLY_READ_ONCE,
-        executor_malloc.WORKER_MALLOC_RETAIN,
-        kv_cache.KV_CONFIG_SIGNATURE,
-        kv_cache.KV_MEMORY_FROM_WORKERS,
-        kv_cache.KV_CONFIG_ENGINE_FIELDS,
-        kv_cache.DEVICE_MEMORY_QUERY,
-        driver_calls.SCHEDULER_BLOCK_SIZE,
-        generate.SINGLE_STEP_BATCHES,
-        generate.SEQUENCE_LIMIT,
-        generate.INPUT_ORDER,
-        generate.LAYER_IDS,
-        generate.RESULTS_CONTRACT,
-        generate.INPUT_VALIDATION,
-        lifecycle.SHUTDOWN_AT_EXIT,
-        watchdog.GENERATE_SIGNAL_SHUTDOWN,
+        executor_all_ranks_reply.EXECUTOR_ALL_RANKS_REPLY,
+        executor_reply_shape.EXECUTOR_REPLY_SHAPE,
+        executor_sample_tokens.EXECUTOR_SAMPLE_TOKENS,
+        executor_kv_layout.EXECUTOR_KV_LAYOUT,
+        executor_model_runner_v1.EXECUTOR_MODEL_RUNNER_V1,
+        executor_close_queues.EXECUTOR_CLOSE_QUEUES,
+        executor_shared_memory_replies.EXECUTOR_SHARED_MEMORY_REPLIES,
+        driver_states_handover.DRIVER_STATES_HANDOVER,
+        executor_rpc_deadline.EXECUTOR_RPC_DEADLINE,
+        rpc_reply_read_once.RPC_REPLY_READ_ONCE,
+        worker_malloc_retain.WORKER_MALLOC_RETAIN,
+        kv_config_signature.KV_CONFIG_SIGNATURE,
+        kv_memory_from_workers.KV_MEMORY_FROM_WORKERS,
+        kv_config_engine_fields.KV_CONFIG_ENGINE_FIELDS,
+        device_memory_query.DEVICE_MEMORY_QUERY,
+        scheduler_block_size.SCHEDULER_BLOCK_SIZE,
+        single_step_batches.SINGLE_STEP_BATCHES,
+        sequence_limit.SEQUENCE_LIMIT,
+        input_order.INPUT_ORDER,
+        layer_ids.LAYER_IDS,
+        results_contract.RESULTS_CONTRACT,
+        input_validation.INPUT_VALIDATION,
+        shutdown_at_exit.SHUTDOWN_AT_EXIT,
+        generate_signal_shutdown.GENERATE_SIGNAL_SHUTDOWN,
     )
 )
 
-# Adapters that switch executor behaviour (executor_switches.set_flag / switch_on) install the
-# subclass first if the "executor" record has not (its apply installs it and its worker options).
+# Adapters that register an executor hook (executor.install_hook) install the subclass first if the
+# "executor" record has not (its apply installs it and its worker set-up hook); then the first of
+# them also makes the patches the "executor" record declares.
 BY_ID = {adapter.id: adapter for adapter in ADAPTERS}
+
+
+# Where each side's adapters live under adapters/, one file per adapter named after its id ("-" as
+# "_"); a driver adapter that is a behaviour of spec_compat's executor is in driver/executor/.
+SIDE_FOLDERS: dict[str, tuple[str, ...]] = {
+    "import": ("import_time",),
+    "worker": ("worker",),
+    "worker-process": ("worker_process",),
+    "driver": ("driver", "driver/executor"),
+}
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def adapter_file(adapter_id: str) -> str:
+    """The file that defines adapter ``adapter_id``, relative to the package (``adapters/<side
+    folder>/<id>.py``); tests/unit/test_registry.py checks it for every id. KeyError: no such id."""
+    name = adapter_id.replace("-", "_") + ".py"
+    folders = SIDE_FOLDERS[BY_ID[adapter_id].side]
+    found = [f"adapters/{folder}/{name}" for folder in folders if (_PACKAGE / "adapters" / folder / name).is_file()]
+    return found[0] if found else f"adapters/{folders[0]}/{name}"

@@ -15,7 +15,7 @@ _MARK = "spec_compat_worker_handler"
 
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        from .adapters.worker import tp_rank
+        from .adapters.support import tp_rank
 
         rank = tp_rank()
         record.tp_rank = "?" if rank is None else str(rank)

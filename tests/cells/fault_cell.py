@@ -91,7 +91,7 @@ def restore_layer_2(worker: Any) -> None:
 
 def kill_while_writing_states_on_rank_0(worker: Any) -> None:
     if _rank(worker) == 0:
-        from spec_compat import transfer
+        from spec_compat.adapters import transfer
 
         def pack(value: Any, pool: Any) -> Any:
             _, tensors = transfer.flatten(value)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters import driver_calls
+from spec_compat.adapters.driver import attention_backend
 from spec_compat.detect import detect
 from spec_compat.options import ATTENTION_BACKEND_ENV, Context, Options
 from spec_compat.patching import Patcher
@@ -38,23 +38,23 @@ def test_the_option_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_probe_needs_a_request_and_a_backend_this_vllm_has() -> None:
-    assert not driver_calls.probe_attention_backend(_ctx(None)).applies
-    names = driver_calls.attention_backend_names()
+    assert not attention_backend.probe_attention_backend(_ctx(None)).applies
+    names = attention_backend.attention_backend_names()
     assert names is not None and "CPU_MLA" in names
-    probe = driver_calls.probe_attention_backend(_ctx("CPU_MLA"))
+    probe = attention_backend.probe_attention_backend(_ctx("CPU_MLA"))
     assert probe.applies and "CPU_MLA" in probe.reason
-    unknown = driver_calls.probe_attention_backend(_ctx("NO_SUCH_BACKEND"))
+    unknown = attention_backend.probe_attention_backend(_ctx("NO_SUCH_BACKEND"))
     assert not unknown.applies and unknown.blocking and "NO_SUCH_BACKEND" in unknown.reason
 
 
 def test_attention_config_gets_the_backend_and_keeps_the_rest() -> None:
-    fresh = driver_calls.with_attention_backend({}, "CPU_MLA")
+    fresh = attention_backend.with_attention_backend({}, "CPU_MLA")
     assert isinstance(fresh, AttentionConfig) and fresh.backend == AttentionBackendEnum.CPU_MLA
     given = AttentionConfig(flash_attn_version=3)
-    updated = driver_calls.with_attention_backend({"attention_config": given}, "CPU_MLA")
+    updated = attention_backend.with_attention_backend({"attention_config": given}, "CPU_MLA")
     assert updated.backend == AttentionBackendEnum.CPU_MLA and given.backend is None
     assert updated.flash_attn_version == 3
-    as_dict = driver_calls.with_attention_backend({"attention_config": {"flash_attn_version": 3}}, "CPU_MLA")
+    as_dict = attention_backend.with_attention_backend({"attention_config": {"flash_attn_version": 3}}, "CPU_MLA")
     assert as_dict == {"flash_attn_version": 3, "backend": "CPU_MLA"}
 
 
@@ -62,7 +62,7 @@ def test_only_speculators_vllm_config_changes_and_revert_restores_it() -> None:
     module, received = recording_generator_module()
     vllm_config = module.VllmConfig  # type: ignore[attr-defined]
     patcher = Patcher()
-    driver_calls.ATTENTION_BACKEND.install(_ctx("CPU_MLA", module), patcher)
+    attention_backend.ATTENTION_BACKEND.install(_ctx("CPU_MLA", module), patcher)
     module.VllmConfig(model_config="m")  # type: ignore[attr-defined]
     assert received[-1]["model_config"] == "m"
     assert received[-1]["attention_config"].backend == AttentionBackendEnum.CPU_MLA

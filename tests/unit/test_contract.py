@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec_compat.contract import check_results, contract_violations
+from spec_compat.adapters.contract import check_results, contract_violations
 from spec_compat.errors import ResultContractError
 
 HIDDEN = 8

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters import cpu_kernels
+from spec_compat.adapters.driver import cpu_rms_norm_strided
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
@@ -32,8 +32,8 @@ def _ctx(generator: Any = None) -> Context:
 def test_native_cpu_dispatch_is_left_alone() -> None:
     ctx = _ctx()
     assert ctx.env.platform == "cpu"
-    assert cpu_kernels.rms_norm_strided_error() <= 1e-5
-    assert not cpu_kernels.probe_cpu_rms_norm_strided(ctx).applies
+    assert cpu_rms_norm_strided.rms_norm_strided_error() <= 1e-5
+    assert not cpu_rms_norm_strided.probe_cpu_rms_norm_strided(ctx).applies
 
 
 def test_kernel_dispatch_on_a_strided_view_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,24 +45,24 @@ def test_kernel_dispatch_on_a_strided_view_is_caught(monkeypatch: pytest.MonkeyP
         return out
 
     monkeypatch.setattr(RMSNorm, "forward_cpu", kernel_path)
-    assert cpu_kernels.rms_norm_strided_error() > 0.1
-    probe = cpu_kernels.probe_cpu_rms_norm_strided(_ctx())
+    assert cpu_rms_norm_strided.rms_norm_strided_error() > 0.1
+    probe = cpu_rms_norm_strided.probe_cpu_rms_norm_strided(_ctx())
     assert probe.applies and "strided view" in probe.reason
 
 
 def test_other_platforms_are_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = Context(env=dataclasses.replace(detect(), platform="cuda"), options=Options())
-    monkeypatch.setattr(cpu_kernels, "rms_norm_strided_error", lambda: pytest.fail("probed on cuda"))
-    assert not cpu_kernels.probe_cpu_rms_norm_strided(ctx).applies
+    monkeypatch.setattr(cpu_rms_norm_strided, "rms_norm_strided_error", lambda: pytest.fail("probed on cuda"))
+    assert not cpu_rms_norm_strided.probe_cpu_rms_norm_strided(ctx).applies
 
 
 def test_compilation_config_gets_rms_norm_off_and_keeps_the_rest() -> None:
-    fresh = cpu_kernels.with_rms_norm_disabled({})
+    fresh = cpu_rms_norm_strided.with_rms_norm_disabled({})
     assert isinstance(fresh, CompilationConfig) and fresh.custom_ops == ["-rms_norm"]
     given = CompilationConfig(custom_ops=["+silu_and_mul"])
-    updated = cpu_kernels.with_rms_norm_disabled({"compilation_config": given})
+    updated = cpu_rms_norm_strided.with_rms_norm_disabled({"compilation_config": given})
     assert updated.custom_ops == ["+silu_and_mul", "-rms_norm"] and given.custom_ops == ["+silu_and_mul"]
-    as_dict = cpu_kernels.with_rms_norm_disabled({"compilation_config": {"mode": 0}})
+    as_dict = cpu_rms_norm_strided.with_rms_norm_disabled({"compilation_config": {"mode": 0}})
     assert as_dict == {"mode": 0, "custom_ops": ["-rms_norm"]}
 
 
@@ -70,7 +70,7 @@ def test_only_speculators_vllm_config_changes_and_revert_restores_it() -> None:
     module, received = recording_generator_module()
     vllm_config = module.VllmConfig  # type: ignore[attr-defined]
     patcher = Patcher()
-    cpu_kernels.CPU_RMS_NORM_STRIDED.install(_ctx(module), patcher)
+    cpu_rms_norm_strided.CPU_RMS_NORM_STRIDED.install(_ctx(module), patcher)
     module.VllmConfig(model_config="m")  # type: ignore[attr-defined]
     assert received[-1]["model_config"] == "m"
     assert received[-1]["compilation_config"].custom_ops == ["-rms_norm"]

@@ -28,6 +28,8 @@ def test_explain_renders_the_registry_notes_of_applied_adapters_only() -> None:
     assert f"      why:         {layer_ids.why}" in explained
     assert f"      delete when: {layer_ids.delete_when}" in explained
     assert f"      vLLM change: {layer_ids.vllm_change}" in explained
+    assert "      file:        adapters/driver/layer_ids.py" in explained  # the id names its file
+    assert f"      patches:     {', '.join(layer_ids.patches)} ({layer_ids.how})" in explained
     assert BY_ID["input-order"].why not in explained  # not applied: no notes
 
 

@@ -8,10 +8,16 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters.executor import make_executor_class
+from spec_compat.adapters.driver.executor.executor import WorkerSetup, make_executor_class
+from spec_compat.adapters.driver.executor.executor_all_ranks_reply import AllRanksReply
+from spec_compat.adapters.driver.executor.executor_model_runner_v1 import ForceV1ModelRunner
+from spec_compat.adapters.driver.executor.executor_reply_shape import ReplyAsList
+from spec_compat.adapters.driver.executor.executor_sample_tokens import SampleAfterExecute
+from spec_compat.adapters.driver.executor.hooks import ExecutorHook
+from spec_compat.adapters.driver.executor.worker_malloc_retain import WORKER_MALLOC_ENV, WorkerMalloc
+from spec_compat.adapters.remote_errors import encode
 from spec_compat.errors import WorkerError
 from spec_compat.options import WORKER_ENV
-from spec_compat.remote_errors import encode
 
 
 class FakeExecutor:
@@ -50,10 +56,11 @@ class FakeExecutor:
         return "sampled"
 
 
-def _subclass(base: type, **flags: Any) -> type:
+def _subclass(base: type, *hooks: ExecutorHook) -> type:
+    """The subclass with ``hooks`` registered, as their adapters' applies would."""
     cls = make_executor_class(base)
-    for name, value in flags.items():
-        setattr(cls, name, value)
+    for hook in hooks:
+        cls.hooks = cls.hooks.adding(hook)
     cls.extension_methods = frozenset({"_get_captured_states"})
     return cls
 
@@ -61,7 +68,7 @@ def _subclass(base: type, **flags: Any) -> type:
 @pytest.mark.parametrize("bare", [True, False])
 def test_reply_shape_for_speculators_030(bare: bool) -> None:
     base = type(f"Base{bare}", (FakeExecutor,), {"bare": bare})
-    executor = _subclass(base, all_ranks_reply=True, reply_as_list=True)(vllm_config=object())
+    executor = _subclass(base, ReplyAsList(), AllRanksReply())(vllm_config=object())
     # every rank is asked, rank 0's reply is handed back as the one-element list 0.3.0 indexes
     assert executor.collective_rpc("_get_captured_states", unique_reply_rank=0) == [("_get_captured_states", 0)]
     # vLLM's own RPCs are untouched
@@ -72,36 +79,32 @@ def test_reply_shape_for_speculators_030(bare: bool) -> None:
 
 def test_failure_on_a_non_reply_rank_is_reported() -> None:
     base = type("BaseFail", (FakeExecutor,), {"fail_rank": 1})
-    quiet = _subclass(type("BaseFailQuiet", (base,), {}), all_ranks_reply=False)(vllm_config=object())
+    quiet = _subclass(type("BaseFailQuiet", (base,), {}))(vllm_config=object())
     assert quiet.collective_rpc("_get_captured_states", unique_reply_rank=0) == ("_get_captured_states", 0)
-    loud = _subclass(base, all_ranks_reply=True)(vllm_config=object())
+    loud = _subclass(base, AllRanksReply())(vllm_config=object())
     with pytest.raises(WorkerError, match="TP rank 1"):
         loud.collective_rpc("_get_captured_states", unique_reply_rank=0)
 
 
 def test_sample_tokens_follows_execute_model_only_when_switched_on() -> None:
-    on = _subclass(type("BaseSample", (FakeExecutor,), {}), sample_after_execute=True)(vllm_config=object())
+    on = _subclass(type("BaseSample", (FakeExecutor,), {}), SampleAfterExecute())(vllm_config=object())
     assert on.execute_model(type("SO", (), {"num_scheduled_tokens": {"a": 3}})()) == "sampled"
     assert on.step_log == [[("a", 3)]]
 
 
 def test_worker_env_is_scoped_to_worker_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    cls = _subclass(
-        type("BaseEnv", (FakeExecutor,), {}), worker_options_json='{"dtype": null}', force_v1_model_runner=True
-    )
+    cls = _subclass(type("BaseEnv", (FakeExecutor,), {}), WorkerSetup('{"dtype": null}'), ForceV1ModelRunner())
     executor = cls(vllm_config=object())
     assert executor.env_seen == {WORKER_ENV: '{"dtype": null}', "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert WORKER_ENV not in os.environ and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
 
 def test_worker_malloc_env_scoped_and_user_values_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spec_compat.adapters.executor_malloc import WORKER_MALLOC_ENV
-
     for key, _ in WORKER_MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MALLOC_TOP_PAD_", "12345")  # the user's choice wins
-    cls = _subclass(type("BaseMalloc", (FakeExecutor,), {}), worker_malloc_env=WORKER_MALLOC_ENV)
+    cls = _subclass(type("BaseMalloc", (FakeExecutor,), {}), WorkerMalloc(WORKER_MALLOC_ENV))
     executor = cls(vllm_config=object())
     expected = {key: value for key, value in WORKER_MALLOC_ENV} | {"MALLOC_TOP_PAD_": "12345"}
     assert executor.malloc_seen == expected
@@ -115,7 +118,7 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
     import zmq
 
-    from spec_compat.adapters.executor_zmq import close_message_queues, message_queues
+    from spec_compat.adapters.driver.executor.executor_close_queues import close_message_queues, message_queues
 
     def queue() -> Any:
         context = zmq.Context()
@@ -143,10 +146,10 @@ def test_shutdown_destroys_message_queue_contexts_without_lingering() -> None:
 
 
 def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    import spec_compat.adapters.executor_zmq as executor_zmq
+    from spec_compat.adapters.driver.executor import executor_close_queues
 
     calls: list[Any] = []
-    monkeypatch.setattr(executor_zmq, "close_message_queues", calls.append)
+    monkeypatch.setattr(executor_close_queues, "close_message_queues", calls.append)
     queue = object()
 
     class Base:
@@ -160,13 +163,14 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
     cls = make_executor_class(Base)
     instance = cls.__new__(cls)
     instance.rpc_broadcast_mq = queue
-    assert instance.shutdown() == "base" and calls == [[]]
+    assert instance.shutdown() == "base" and calls == []
     instance.rpc_broadcast_mq = queue
-    cls.close_queues_on_shutdown = True
+    saved = cls.hooks
+    cls.hooks = saved.adding(executor_close_queues.CloseQueues())
     try:
-        assert instance.shutdown() == "base" and calls == [[], [queue]]
+        assert instance.shutdown() == "base" and calls == [[queue]]
     finally:
-        cls.close_queues_on_shutdown = False
+        cls.hooks = saved
 
 
 @pytest.mark.parametrize(
@@ -181,19 +185,19 @@ def test_shutdown_closes_queues_only_when_switched_on(monkeypatch: pytest.Monkey
 def test_fork_falls_back_to_spawn_only_after_cuda_init(
     monkeypatch: pytest.MonkeyPatch, method: str | None, cuda_initialised: bool, expected: dict[str, str]
 ) -> None:
-    import spec_compat.adapters.executor_fork as executor_fork
+    from spec_compat.adapters.driver.executor import fork
 
     if method is None:
         monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     else:
         monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", method)
-    monkeypatch.setattr(executor_fork, "cuda_driver_initialized", lambda: cuda_initialised)
-    assert executor_fork.start_method_env() == expected
+    monkeypatch.setattr(fork, "cuda_driver_initialized", lambda: cuda_initialised)
+    assert fork.start_method_env() == expected
 
 
 def test_cuda_driver_check_loads_nothing() -> None:
     """On a machine without a loaded libcuda the check answers False and does not load it."""
-    from spec_compat.adapters.executor_fork import cuda_driver_initialized
+    from spec_compat.adapters.driver.executor.fork import cuda_driver_initialized
 
     maps_file = Path("/proc/self/maps")
     maps = maps_file.read_text() if maps_file.exists() else ""
@@ -205,7 +209,7 @@ def test_cuda_driver_check_loads_nothing() -> None:
 
 
 def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None:
-    from spec_compat.adapters.executor_replies import ReadOnceReply
+    from spec_compat.adapters.driver.executor.rpc_reply_read_once import ReadOnceReply
 
     reply = ReadOnceReply({"req_0": [1], "req_1": [2]})
     assert "req_0" in reply and len(reply) == 2 and sorted(reply.keys()) == ["req_0", "req_1"]
@@ -218,7 +222,7 @@ def test_read_once_reply_releases_each_entry_and_refuses_a_second_read() -> None
 
 
 def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
-    from spec_compat.adapters.executor_replies import ReadOnceReply
+    from spec_compat.adapters.driver.executor.rpc_reply_read_once import ReadOnce, ReadOnceReply
 
     class Base:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -230,14 +234,15 @@ def test_read_once_reply_only_for_dict_replies_of_speculators_rpcs() -> None:
     cls = make_executor_class(Base)
     instance = cls.__new__(cls)
     cls.extension_methods = frozenset({"_get_captured_states"})
-    cls.read_once_replies = True
+    saved = cls.hooks
+    cls.hooks = saved.adding(ReadOnce())
     try:
         assert type(instance.collective_rpc("_get_captured_states", unique_reply_rank=0)) is ReadOnceReply
         assert type(instance.collective_rpc("_get_captured_states", unique_reply_rank=0, kind="list")) is list
         assert type(instance.collective_rpc("_get_captured_states")) is dict  # every rank's reply: untouched
         assert type(instance.collective_rpc("get_kv_cache_spec", unique_reply_rank=0)) is dict  # vLLM's own RPC
     finally:
-        cls.read_once_replies = False
+        cls.hooks = saved
         cls.extension_methods = frozenset()
 
 
@@ -295,7 +300,7 @@ def test_read_once_probe_reads_the_generator_source(tmp_path: Path, monkeypatch:
 def test_close_queues_probe_reads_whether_vllm_closes_sockets_itself() -> None:
     import ast
 
-    from spec_compat.adapters.executor_zmq import closes_sockets_without_linger
+    from spec_compat.adapters.driver.executor.executor_close_queues import closes_sockets_without_linger
 
     assert closes_sockets_without_linger(ast.parse("def f(s):\n    s.close(linger=0)\n"))  # vLLM >= 0.32 shape
     assert not closes_sockets_without_linger(ast.parse("def f(s):\n    s.close()\n    s.close(linger=5)\n"))
@@ -314,7 +319,7 @@ class _Handle:
 def test_a_dead_worker_is_named_before_the_error_its_peer_raised_after_it() -> None:
     """Rank 1 killed: rank 0 then fails in its collective ("connection closed by peer") and that
     reply may reach the caller first; the cause named is the death, rank 0's error kept with it."""
-    from spec_compat.adapters.executor_failures import diagnosed
+    from spec_compat.adapters.driver.executor.failures import diagnosed
 
     executor = type("Executor", (), {})()
     peer_error = RuntimeError(f"Worker failed with error '{encode(RuntimeError('Connection closed by peer'), 0, 'm')}'")

@@ -9,14 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from spec_compat.adapters.generate import (
-    _verify_worker_order,
-    normalise_token_ids,
-    plan_single_step_batches,
-    reorder_to_inputs,
-    validated_rows,
-)
-from spec_compat.contract import contract_violations, int64_key, known_input_keys
+from spec_compat.adapters.contract import contract_violations, int64_key, known_input_keys
+from spec_compat.adapters.driver.input_order import reorder_to_inputs
+from spec_compat.adapters.driver.input_validation import normalise_token_ids, validated_rows
+from spec_compat.adapters.driver.single_step_batches import _verify_worker_order, plan_single_step_batches
 from spec_compat.detect import detect
 from spec_compat.errors import IncompatibleError, ResultContractError
 from spec_compat.options import Context, Options

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from spec_compat import handover, transfer
+from spec_compat.adapters import handover, transfer
 
 ROWS = (5, 17, 3)
 

@@ -10,8 +10,13 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters import imports, kv_cache
-from spec_compat.adapters.executor_switches import EXECUTORS
+from spec_compat.adapters.driver import device_memory_query, kv_config_engine_fields, kv_memory_from_workers
+from spec_compat.adapters.driver.executor.hooks import EXECUTORS
+from spec_compat.adapters.import_time import (
+    kv_cache_planning_aliases,
+    transformers_removed_modules,
+    transformers_torch_annotation,
+)
 from spec_compat.calls import CallAdapter, KeywordPlan
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
@@ -24,17 +29,17 @@ def _ctx(**kwargs: Any) -> Context:
 
 
 def test_kv_cache_planning_aliases_for_the_033_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    helpers = {name: (lambda *a, name=name: name) for name in imports.KV_PLANNING_NAMES}
+    helpers = {name: (lambda *a, name=name: name) for name in kv_cache_planning_aliases.KV_PLANNING_NAMES}
     utils = types.ModuleType("vllm.v1.core.kv_cache_utils")  # 0.33: helpers gone from here
     planning = types.ModuleType("vllm.v1.core.kv_cache_planning")
     for name, fn in helpers.items():
         setattr(planning, name, fn)
     monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", utils)
     monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_planning", planning)
-    probe = imports.probe_kv_cache_planning_aliases(_ctx())
+    probe = kv_cache_planning_aliases.probe_kv_cache_planning_aliases(_ctx())
     assert probe.applies
     patcher = Patcher()
-    imports.KV_CACHE_PLANNING_ALIASES.install(_ctx(), patcher)
+    kv_cache_planning_aliases.KV_CACHE_PLANNING_ALIASES.install(_ctx(), patcher)
     assert all(getattr(utils, name) is helpers[name] for name in helpers)
     patcher.revert()
     assert not any(hasattr(utils, name) for name in helpers)
@@ -42,10 +47,10 @@ def test_kv_cache_planning_aliases_for_the_033_layout(monkeypatch: pytest.Monkey
 
 def test_kv_cache_planning_aliases_not_needed_for_the_old_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     utils = types.ModuleType("vllm.v1.core.kv_cache_utils")
-    for name in imports.KV_PLANNING_NAMES:
+    for name in kv_cache_planning_aliases.KV_PLANNING_NAMES:
         setattr(utils, name, object())
     monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", utils)
-    assert not imports.probe_kv_cache_planning_aliases(_ctx()).applies
+    assert not kv_cache_planning_aliases.probe_kv_cache_planning_aliases(_ctx()).applies
 
 
 def test_missing_helpers_everywhere_is_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +58,7 @@ def test_missing_helpers_everywhere_is_blocking(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(
         sys.modules, "vllm.v1.core.kv_cache_planning", types.ModuleType("vllm.v1.core.kv_cache_planning")
     )
-    probe = imports.probe_kv_cache_planning_aliases(_ctx())
+    probe = kv_cache_planning_aliases.probe_kv_cache_planning_aliases(_ctx())
     assert not probe.applies and probe.blocking
 
 
@@ -65,17 +70,17 @@ def test_transformers_annotation_alias(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fake.PretrainedConfig = PretrainedConfig  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers.configuration_utils", fake)
-    assert imports.probe_transformers_torch_annotation(_ctx()).applies  # transformers 5 shape
+    assert transformers_torch_annotation.probe_transformers_torch_annotation(_ctx()).applies  # transformers 5 shape
     patcher = Patcher()
-    imports.TRANSFORMERS_TORCH_ANNOTATION.install(_ctx(), patcher)
+    transformers_torch_annotation.TRANSFORMERS_TORCH_ANNOTATION.install(_ctx(), patcher)
     import torch
 
     assert fake.torch is torch  # type: ignore[attr-defined]
-    assert not imports.probe_transformers_torch_annotation(_ctx()).applies
+    assert not transformers_torch_annotation.probe_transformers_torch_annotation(_ctx()).applies
     patcher.revert()
     assert not hasattr(fake, "torch")
     PretrainedConfig.__annotations__ = {"dtype": "str | None"}  # transformers 4 shape
-    assert not imports.probe_transformers_torch_annotation(_ctx()).applies
+    assert not transformers_torch_annotation.probe_transformers_torch_annotation(_ctx()).applies
 
 
 def test_transformers_removed_modules_get_placeholders(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,18 +97,20 @@ def test_transformers_removed_modules_get_placeholders(tmp_path: Any, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "speculators" or m.startswith("speculators.")]:
         monkeypatch.delitem(sys.modules, name)
-    imports._module_level_transformers_imports.cache_clear()
-    probe = imports.probe_transformers_removed_modules(_ctx())
+    transformers_removed_modules._module_level_transformers_imports.cache_clear()
+    probe = transformers_removed_modules.probe_transformers_removed_modules(_ctx())
     # Only the unguarded module-level import of a module that does not exist is a break.
     assert probe.applies and "transformers.spec_compat_gone_utils (GoneBase, _gone_helper)" in probe.reason
     assert "another_gone_module" not in probe.reason and "inside_function_gone" not in probe.reason
     patcher = Patcher()
-    imports.TRANSFORMERS_REMOVED_MODULES.install(_ctx(), patcher)
+    transformers_removed_modules.TRANSFORMERS_REMOVED_MODULES.install(_ctx(), patcher)
     import speculators.models.eagle as eagle  # type: ignore[import-not-found]
 
     with pytest.raises(ImportError, match="_gone_helper does not exist in transformers"):
         eagle._gone_helper(1, 2)
-    assert not imports.probe_transformers_removed_modules(_ctx()).applies  # the placeholder is there now
+    assert not transformers_removed_modules.probe_transformers_removed_modules(
+        _ctx()
+    ).applies  # the placeholder is there now
     patcher.revert()
     assert "transformers.spec_compat_gone_utils" not in sys.modules
 
@@ -124,7 +131,7 @@ def test_kv_memory_asks_the_workers_when_the_device_reports_none() -> None:
     module = _kv_module(get_kv_cache_config_from_groups)
     ctx = Context(env=detect(), options=Options(), generator=module)
     patcher = Patcher()
-    kv_cache.KV_MEMORY_FROM_WORKERS.install(ctx, patcher)
+    kv_memory_from_workers.KV_MEMORY_FROM_WORKERS.install(ctx, patcher)
     vllm_config = SimpleNamespace()
 
     class Executor:
@@ -146,7 +153,7 @@ def test_kv_memory_asks_the_workers_when_the_device_reports_none() -> None:
 def test_device_memory_proxy_without_cuda() -> None:
     import torch
 
-    proxy = kv_cache._TorchProxy(torch)
+    proxy = device_memory_query._TorchProxy(torch)
     if torch.cuda.is_available():
         pytest.skip("this check is about machines without CUDA")
     assert proxy.cuda.mem_get_info() == (0, 0)
@@ -175,7 +182,7 @@ def test_kv_engine_fields_filled_and_block_size_synced() -> None:
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
         kv_transfer_config=None,
     )
-    kv_cache._fill_engine_fields(result, {"vllm_config": vllm_config})
+    kv_config_engine_fields._fill_engine_fields(result, {"vllm_config": vllm_config})
     assert cache_config.block_size == 128
     if "kv_cache_layout" in fields:
         assert result.kv_cache_layout == "LBNHC"
@@ -237,16 +244,16 @@ def test_device_memory_helpers_answer_no_memory_on_cpu(tmp_path: Path, platform:
     module = load_source(tmp_path, "device_memory_generator", DEVICE_MEMORY_HELPER_SOURCE)
     env = replace(detect(), platform=platform)
     ctx = Context(env=env, options=Options(), generator=module)
-    probe = kv_cache.probe_device_memory_query(ctx)
+    probe = device_memory_query.probe_device_memory_query(ctx)
     assert probe.applies is (platform == "cpu"), probe.reason
     if not probe.applies:
         return
     assert "mem_get_info" in probe.reason and "empty_cache" in probe.reason
     patcher = Patcher()
-    kv_cache.DEVICE_MEMORY_QUERY.install(ctx, patcher)
+    device_memory_query.DEVICE_MEMORY_QUERY.install(ctx, patcher)
     generator = module.VllmHiddenStatesGenerator()
     assert generator.free == 0 and generator.generate([1]) == [1]
-    assert not isinstance(module.torch if hasattr(module, "torch") else None, kv_cache._TorchProxy)
+    assert not isinstance(module.torch if hasattr(module, "torch") else None, device_memory_query._TorchProxy)
     patcher.revert()
     with pytest.raises(RuntimeError, match="NVIDIA driver"):
         module.VllmHiddenStatesGenerator()

@@ -4,21 +4,32 @@ speculators range is honoured by apply() (an adapter outside it does not apply, 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
-import spec_compat
+import spec_compat.engine
 from spec_compat.adapters.probe import Probe
-from spec_compat.adapters.unit import NOTE_KEYS
+from spec_compat.adapters.unit import PATCH_TARGET, TEXT_FIELDS, covers
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
-from spec_compat.patching import AdapterPatcher, Patcher
-from spec_compat.registry import ADAPTERS, BY_ID, SUPPORTED_SPECULATORS, Adapter, AdapterOrderError, ordered
+from spec_compat.patching import AdapterPatcher, Patch, Patcher
+from spec_compat.registry import (
+    ADAPTERS,
+    BY_ID,
+    SIDE_FOLDERS,
+    SUPPORTED_SPECULATORS,
+    Adapter,
+    AdapterOrderError,
+    adapter_file,
+    ordered,
+)
 from spec_compat.versions import parse_version
 
 ADAPTERS_DIR = Path(spec_compat.__file__).resolve().parent / "adapters"
@@ -40,7 +51,7 @@ def test_no_adapter_names_the_id_it_patches_under() -> None:
     whose apply made it, so no apply body or helper writes an id (one that could drift from the
     registry's). The check: no call of a patcher method in adapters/ starts with a string."""
     written = []
-    for path in ADAPTERS_DIR.glob("*.py"):
+    for path in ADAPTERS_DIR.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
@@ -49,6 +60,31 @@ def test_no_adapter_names_the_id_it_patches_under() -> None:
                 if isinstance(first, ast.Constant) and isinstance(first.value, str):
                     written.append(f"{path.name}:{node.lineno}")
     assert written == []
+
+
+def _module_adapters() -> dict[str, list[Adapter]]:
+    """Every module under adapters/ -> the Adapter records bound at its top level."""
+    found: dict[str, list[Adapter]] = {}
+    for path in sorted(ADAPTERS_DIR.rglob("*.py")):
+        relative = path.relative_to(ADAPTERS_DIR.parent).with_suffix("")
+        module = importlib.import_module(".".join(("spec_compat", *relative.parts)).removesuffix(".__init__"))
+        found[str(path.relative_to(ADAPTERS_DIR.parent))] = [v for v in vars(module).values() if isinstance(v, Adapter)]
+    return found
+
+
+def test_every_adapter_id_names_its_file() -> None:
+    """An id (what doctor prints) is enough to find its adapter: adapters/<side folder>/<id, "-" as
+    "_">.py defines that record and no other, and no other file in adapters/ defines a record."""
+    by_file = _module_adapters()
+    for adapter in ADAPTERS:
+        path = adapter_file(adapter.id)
+        assert path.rpartition("/")[2] == adapter.id.replace("-", "_") + ".py"
+        assert path.removeprefix("adapters/").rpartition("/")[0] in SIDE_FOLDERS[adapter.side], adapter.id
+        assert [a.id for a in by_file.get(path, [])] == [adapter.id], path
+        assert by_file[path][0] is adapter, path
+    defining = {path for path, records in by_file.items() if records}
+    assert defining == {adapter_file(adapter.id) for adapter in ADAPTERS}
+    assert len(ADAPTERS) == len(defining)
 
 
 def _patching_adapter(adapter_id: str, target: type) -> Adapter:
@@ -69,7 +105,7 @@ def test_every_patch_carries_the_id_of_the_adapter_that_made_it(monkeypatch: pyt
     monkeypatch.setattr(registry, "ADAPTERS", (_patching_adapter("first", Target), _patching_adapter("second", Target)))
     patcher = Patcher()
     report = spec_compat.Report(env=detect(), options=Options())
-    spec_compat._run_side(Context(env=detect(), options=Options()), "driver", report, patcher)
+    spec_compat.engine.run_side(Context(env=detect(), options=Options()), "driver", report, patcher)
     assert [(p.adapter_id, p.target) for p in patcher.patches] == [
         ("first", "Target.value"),
         ("first", "Target.alias_first"),
@@ -97,7 +133,7 @@ def test_the_executor_subclass_is_recorded_under_the_adapter_that_installed_it()
     BY_ID["executor-reply-shape"].install(ctx, patcher)
     assert [(p.adapter_id, p.name) for p in patcher.patches] == [
         ("executor-reply-shape", "MultiprocExecutor"),
-        ("executor-reply-shape", "reply_as_list"),
+        ("executor-reply-shape", "hooks"),
     ]
     patcher.revert()
     assert module.MultiprocExecutor is _FakeMultiprocExecutor
@@ -105,8 +141,8 @@ def test_the_executor_subclass_is_recorded_under_the_adapter_that_installed_it()
     BY_ID["executor-reply-shape"].install(ctx, patcher)
     assert [(p.adapter_id, p.name) for p in patcher.patches] == [
         ("executor", "MultiprocExecutor"),
-        ("executor", "worker_options_json"),
-        ("executor-reply-shape", "reply_as_list"),
+        ("executor", "hooks"),
+        ("executor-reply-shape", "hooks"),
     ]
     patcher.revert()
 
@@ -160,7 +196,7 @@ def test_apply_honours_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "ADAPTERS", fakes)
     env = replace(detect(), speculators=parse_version("0.4.0.1"))
     report = spec_compat.Report(env=env, options=Options())
-    spec_compat._run_side(Context(env=env, options=Options()), "driver", report, Patcher())
+    spec_compat.engine.run_side(Context(env=env, options=Options()), "driver", report, Patcher())
     decisions = {d.id: d for d in report.decisions}
     assert calls == ["probe new-only", "apply new-only", "probe any", "apply any"]  # never probed outside
     assert not decisions["old-only"].applies and not decisions["old-only"].blocking
@@ -207,41 +243,59 @@ def test_a_violated_constraint_is_caught(units: list[Adapter], message: str) -> 
         ordered(units)
 
 
-NOTES = """
-    why: a symptom the user sees,
-        continued on a deeper line
-    vllm change: 0.12.0 dropped it
-    detect: always
-    delete when: never
-    patches: module.name
-    """
-
-
-def test_notes_become_the_record_fields() -> None:
-    unit = replace(BY_ID["layer-ids"], notes=NOTES)
-    assert unit.why == "a symptom the user sees, continued on a deeper line"
-    assert (unit.vllm_change, unit.detect, unit.delete_when, unit.patches) == (
-        "0.12.0 dropped it",
-        "always",
-        "never",
-        "module.name",
-    )
-
-
-def test_every_record_has_all_five_notes() -> None:
+def test_every_record_has_its_texts_and_patch_targets() -> None:
     for unit in ADAPTERS:
-        assert all(getattr(unit, key.replace(" ", "_")).strip() for key in NOTE_KEYS), unit.id
+        assert all(getattr(unit, name).strip() for name in TEXT_FIELDS), unit.id
+        assert unit.patches and all(PATCH_TARGET.match(target) for target in unit.patches), unit.id
+
+
+def test_every_patch_target_is_under_a_package_the_adapters_patch() -> None:
+    """Full dotted paths from the top-level package (what tests/cells/apply_checks.py resolves), not
+    the short names a reader would have to complete."""
+    roots = {"speculators", "vllm", "transformers", "sys", "faulthandler", "spec_compat"}
+    assert {t.split(".")[0] for unit in ADAPTERS for t in unit.patches} <= roots
 
 
 @pytest.mark.parametrize(
-    ("notes", "message"),
+    ("changes", "message"),
     [
-        (NOTES.replace("    detect: always\n", ""), "notes missing: detect"),
-        (NOTES.rstrip() + "\n    detect: twice\n", "note 'detect' written twice"),
-        (NOTES.replace("patches:", "touches:"), "not a note"),
-        ("        continued first\n" + NOTES, "a continued line before any note"),
+        ({"why": "  "}, "empty why"),
+        ({"patches": ()}, "patches must be a non-empty tuple"),
+        ({"patches": "module.name"}, "patches must be a non-empty tuple"),
+        ({"patches": ("VllmHiddenStatesGenerator.generate (a note)",)}, "not a patch target"),
+        ({"patches": ("generate",)}, "not a patch target"),
     ],
 )
-def test_malformed_notes_are_refused_with_the_adapter_id(notes: str, message: str) -> None:
-    with pytest.raises(ValueError, match=f"adapter layer-ids: {message}"):
-        replace(BY_ID["layer-ids"], notes=notes)
+def test_a_malformed_record_is_refused_with_the_adapter_id(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=f"adapter layer-ids: {re.escape(message)}"):
+        replace(BY_ID["layer-ids"], **changes)
+
+
+class _Owner:
+    method = None
+
+
+@pytest.mark.parametrize(
+    ("target", "patch", "covered"),
+    [
+        ("tests.unit.test_registry._Owner.method", Patch("x", _Owner, "method", None, None), True),
+        ("tests.unit.test_registry._Owner.*", Patch("x", _Owner, "other", None, None), True),
+        ("tests.unit.test_registry._Owner.method", Patch("x", _FakeMultiprocExecutor, "method", None, None), False),
+        ("tests.unit.test_registry._Owner.other", Patch("x", _Owner, "method", None, None), False),
+        ("sys.modules[transformers.*]", Patch("x", {}, "transformers.gone", None, None, item_of="sys.modules"), True),
+        ("sys.modules[transformers.*]", Patch("x", {}, "torch.gone", None, None, item_of="sys.modules"), False),
+        (
+            "faulthandler.register()",
+            Patch("x", None, "faulthandler.register(SIGUSR2, f)", None, None, undo=print),
+            True,
+        ),
+        ("faulthandler.register()", Patch("x", None, "signal.signal(SIGINT)", None, None, undo=print), False),
+    ],
+)
+def test_a_target_covers_the_patches_it_names(target: str, patch: Patch, covered: bool) -> None:
+    assert covers(target, patch) is covered
+
+
+def test_a_target_that_names_nothing_raises() -> None:
+    with pytest.raises(AttributeError):
+        covers("tests.unit.test_registry._Missing.method", Patch("x", _Owner, "method", None, None))

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from spec_compat.adapters.remote_errors import decode, encode, raise_decoded
 from spec_compat.errors import WorkerError
-from spec_compat.remote_errors import decode, encode, raise_decoded
 
 
 def _raise_empty_assertion() -> None:

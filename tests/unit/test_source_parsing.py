@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from spec_compat import source_parsing
+from spec_compat.adapters import source_parsing
 
 
 def test_parse_matches_ast_and_restores_gc() -> None:

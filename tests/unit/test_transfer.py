@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from spec_compat import transfer
+from spec_compat.adapters import transfer
 
 
 @pytest.fixture

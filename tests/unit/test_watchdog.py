@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters import watchdog
-from spec_compat.adapters.executor import make_executor_class
+from spec_compat.adapters.driver.executor import executor_rpc_deadline
+from spec_compat.adapters.driver.executor.executor import make_executor_class
+from spec_compat.adapters.driver.executor.executor_all_ranks_reply import AllRanksReply
 from spec_compat.errors import EngineStopped, WorkerError, WorkerTimeout
 from spec_compat.options import DEFAULT_RPC_TIMEOUT_S, RPC_TIMEOUT_ENV, Options
 
@@ -126,19 +127,20 @@ class FakeExecutor:
         self.shut_down = True
 
 
-def _executor(timeout_s: float | None = 5.0, **flags: Any) -> Any:
-    base = type(f"Base{id(flags)}{timeout_s}", (FakeExecutor,), {})
+def _executor(timeout_s: float | None = 5.0) -> Any:
+    """The executor with the hooks of executor-all-ranks-reply and (unless ``timeout_s`` is None)
+    executor-rpc-deadline registered, as their applies would."""
+    base = type(f"Base{timeout_s}", (FakeExecutor,), {})
     cls = make_executor_class(base)
     cls.extension_methods = frozenset({"_get_captured_states", "_setup_hidden_states_capture", "_reset_capture"})
-    cls.rpc_timeout_s = timeout_s
-    cls.all_ranks_reply = True
-    for name, value in flags.items():
-        setattr(cls, name, value)
+    cls.hooks = cls.hooks.adding(AllRanksReply())
+    if timeout_s is not None:
+        cls.hooks = cls.hooks.adding(executor_rpc_deadline.RpcDeadline(timeout_s))
     return cls(vllm_config=object())
 
 
 def test_deadline_only_on_generate_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(watchdog.STEP_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(executor_rpc_deadline.STEP_TIMEOUT_ENV, raising=False)
     executor = _executor(5.0)
     executor.collective_rpc("_get_captured_states", unique_reply_rank=0)
     executor.collective_rpc("_reset_capture")
@@ -160,7 +162,7 @@ def test_deadline_only_on_generate_calls(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_user_set_step_timeout_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(watchdog.STEP_TIMEOUT_ENV, "300")
+    monkeypatch.setenv(executor_rpc_deadline.STEP_TIMEOUT_ENV, "300")
     executor = _executor(1000.0)
     executor.execute_model(type("SO", (), {"num_scheduled_tokens": {}})())
     assert executor.timeouts == [("execute_model", 300)]
@@ -169,7 +171,7 @@ def test_user_set_step_timeout_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_deadline_when_switched_off() -> None:
     executor = _executor(None)
     executor.collective_rpc("_get_captured_states", unique_reply_rank=0)
-    assert executor.timeouts == [("_get_captured_states", None)] and executor.watchdog_directory is None
+    assert executor.timeouts == [("_get_captured_states", None)] and not hasattr(executor, "watchdog_directory")
 
 
 @pytest.mark.parametrize("silent", [0, 1])
@@ -200,8 +202,8 @@ def test_process_state_of_an_exited_process() -> None:
     proc = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
     proc.start()
     proc.join(30)
-    assert watchdog.process_state(proc) == "exited with code 3"
-    assert watchdog.describe_exit(-9) == "killed by signal 9 (SIGKILL)"
+    assert executor_rpc_deadline.process_state(proc) == "exited with code 3"
+    assert executor_rpc_deadline.describe_exit(-9) == "killed by signal 9 (SIGKILL)"
 
 
 def test_stack_dump_through_faulthandler(tmp_path: Any) -> None:
@@ -220,7 +222,7 @@ def test_stack_dump_through_faulthandler(tmp_path: Any) -> None:
     )  # fmt: skip
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        stacks = watchdog.take_stacks({3: child.pid}, str(tmp_path))
+        stacks = executor_rpc_deadline.take_stacks({3: child.pid}, str(tmp_path))
     finally:
         child.kill()
         child.wait()

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from spec_compat.adapters.remote_errors import EncodedWorkerException, decode
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher
-from spec_compat.remote_errors import EncodedWorkerException, decode
 from tests.unit.apply_adapters import apply_adapters
 from tests.unit.fake_worker import fake_worker
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from spec_compat.adapters.worker import WrapperView, find_base_model
+from spec_compat.adapters.support import find_base_model
+from spec_compat.adapters.worker.wrapper_base_model import WrapperView
 from spec_compat.detect import detect
 from spec_compat.options import Context, Options
 from spec_compat.patching import Patcher

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .. import source_parsing
 from ..options import Context
+from . import source_parsing
 
 GENERATOR_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER_MODULE = "speculators.data_generation.custom_worker"

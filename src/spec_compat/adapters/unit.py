@@ -1,27 +1,30 @@
-"""What one adapter is: its record (id, side, speculators range, and its notes: why, the vLLM change,
-how it is detected, when it can be deleted, what it patches), its feature probe and its apply, in one
-value.
+"""What one adapter is: its record (id, side, speculators range, what it patches as dotted paths,
+why, the vLLM change behind it, how it is detected, when it can be deleted: typed fields), its
+feature probe and its apply, in one value.
 
-Every adapter module defines its units beside the probe and apply they name; ``registry.py`` is
-the ordered list of those units. This module sits in adapters/ (not beside the registry) because
-the adapter modules define units and must not import upward (tests/test_boundary.py).
+Every adapter file (``adapters/<side folder>/<id>.py``) defines its unit beside the probe and apply
+it names; ``registry.py`` is the ordered list of those units. This module sits in adapters/ (not
+beside the registry) because the adapter files define units and must not import upward
+(tests/test_boundary.py).
 
 ``side``: when and where an adapter is applied (``SIDES``).
 """
 
 from __future__ import annotations
 
+import importlib
 import re
-import textwrap
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Literal
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..options import Context
-from ..patching import AdapterPatcher, Patcher
+from ..patching import AdapterPatcher, Patch, Patcher
 from ..versions import ParsedVersion
 from .probe import Probe
 
@@ -40,43 +43,37 @@ SPECULATORS_0_3_ONLY = SpecifierSet("<0.4")
 SPECULATORS_0_4_ONLY = SpecifierSet(">=0.4,<0.5")
 
 
-# The notes every record carries, in the order they are written: "<key>: <text>", a longer text
-# continued on more-indented lines (joined with single spaces).
-NOTE_KEYS = ("why", "vllm change", "detect", "delete when", "patches")
-_NOTE_LINE = re.compile(r"^(?P<key>[a-z][a-z ]*): (?P<text>.*)$")
-
-
-def parse_notes(notes: str) -> dict[str, str]:
-    """The five notes of a record (``NOTE_KEYS``), each exactly once; anything else raises ValueError."""
-    parsed: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in textwrap.dedent(notes).strip("\n").splitlines():
-        if line.startswith((" ", "\t")):
-            if current is None:
-                raise ValueError(f"a continued line before any note: {line.strip()!r}")
-            current.append(line.strip())
-            continue
-        match = _NOTE_LINE.match(line)
-        if match is None or match["key"] not in NOTE_KEYS:
-            raise ValueError(f"not a note ({', '.join(NOTE_KEYS)}): {line!r}")
-        if match["key"] in parsed:
-            raise ValueError(f"note {match['key']!r} written twice")
-        current = parsed[match["key"]] = [match["text"].strip()]
-    missing = [key for key in NOTE_KEYS if key not in parsed]
-    if missing:
-        raise ValueError(f"notes missing: {', '.join(missing)}")
-    return {key: " ".join(parsed[key]) for key in NOTE_KEYS}
+# A declared patch target (``Adapter.patches``) is one dotted path of what apply() patches, written
+# the way tests resolve it (tests/cells/apply_checks.py compares them with the patches apply() records):
+# - ``package.module.name`` / ``package.module.Class.name``: an attribute replaced or added; the
+#   longest importable prefix is the module, the rest is looked up from it (so
+#   ``<generator>.MultiprocExecutor.hooks`` names the subclass's attribute once ``executor`` replaced
+#   the name); the last part may be a pattern (``Class.*``: every method it wraps);
+# - ``sys.modules[transformers.*]``: keys added to sys.modules (a pattern);
+# - ``faulthandler.register()``: a change that is not an attribute (``patcher.on_revert``), named by
+#   the callable that made it.
+PATCH_TARGET = re.compile(
+    r"^(?:sys\.modules\[[\w.*]+\]"
+    r"|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\(\)"
+    r"|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*\.[A-Za-z_*][\w*]*)$"
+)
+# The record's texts, each required (non-empty): printed by doctor --explain and docs/adapters.md.
+TEXT_FIELDS = ("why", "vllm_change", "detect", "delete_when")
 
 
 @dataclass(frozen=True)
 class Adapter:
     id: str
     side: Side
-    # patches / why / vllm change (first release that needs it, and the upstream change when known) /
-    # detect / delete when, parsed by parse_notes into the fields of the same names below
-    notes: str
+    # what apply() patches: dotted paths (PATCH_TARGET), the "what" of the record
+    patches: tuple[str, ...]
+    why: str  # the symptom without it
+    vllm_change: str  # the first release that needs it, and the upstream change when known
+    detect: str  # what the probe checks
+    delete_when: str
     probe: Callable[[Context], Probe]
     apply: Callable[[Context, AdapterPatcher], None]  # given patcher.scoped(id): every patch carries this id
+    how: str = ""  # what the patches do, where the targets alone do not say
     # speculators releases whose code needs it: outside it the adapter is not applied (apply() says why)
     speculators: SpecifierSet = SUPPORTED_SPECULATORS
     # Ids of adapters on the same side that must be applied before / after this one. Where two
@@ -85,19 +82,17 @@ class Adapter:
     # them and refuses a list that cannot satisfy them (registry.ordered).
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
-    patches: str = field(init=False)
-    why: str = field(init=False)
-    vllm_change: str = field(init=False)
-    detect: str = field(init=False)
-    delete_when: str = field(init=False)
 
     def __post_init__(self) -> None:
-        try:
-            parsed = parse_notes(self.notes)
-        except ValueError as exc:
-            raise ValueError(f"adapter {self.id}: {exc}") from None
-        for key, text in parsed.items():
-            object.__setattr__(self, key.replace(" ", "_"), text)
+        # a record is checked when its module is imported: a malformed one never reaches the registry
+        if not isinstance(self.patches, tuple) or not self.patches:
+            raise ValueError(f"adapter {self.id}: patches must be a non-empty tuple of targets")
+        bad = [target for target in self.patches if not PATCH_TARGET.match(target)]
+        if bad:
+            raise ValueError(f"adapter {self.id}: not a patch target (a dotted path): {bad}")
+        empty = [name for name in TEXT_FIELDS if not getattr(self, name).strip()]
+        if empty:
+            raise ValueError(f"adapter {self.id}: empty {', '.join(empty)}")
 
     def install(self, ctx: Context, patcher: Patcher) -> None:
         """Run ``apply`` with the patcher scoped to this adapter: its patches carry ``self.id``."""
@@ -112,3 +107,43 @@ class Adapter:
         if self.speculators.contains(release, prereleases=True):
             return None
         return f"speculators {installed.raw} is outside this adapter's range {self.speculators}"
+
+
+def resolve(path: str) -> Any:
+    """The object a dotted path names: its longest importable prefix, then attributes from there.
+    Raises ImportError / AttributeError when it names nothing."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            if cut == 1:
+                raise
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(path)  # not reached: the loop returns or raises
+
+
+def target_owner(target: str) -> Any:
+    """What declared ``target`` patches in: the owner object of an attribute target, ``sys.modules``
+    for a mapping target, the callable of a ``name()`` target. Raises ImportError / AttributeError
+    where the path names nothing."""
+    if target.endswith("()"):
+        return resolve(target[:-2])
+    if target.startswith("sys.modules["):
+        return sys.modules
+    return resolve(target.rpartition(".")[0])
+
+
+def covers(target: str, patch: Patch) -> bool:
+    """Whether declared ``target`` names the change ``patch`` records: the same owner object (by
+    identity) and a matching name. Resolves the target (target_owner): raises where it names nothing."""
+    owner = target_owner(target)
+    if target.endswith("()"):
+        return patch.undo is not None and patch.name.startswith(target[:-1])
+    if target.startswith("sys.modules["):
+        return patch.item_of == "sys.modules" and fnmatchcase(patch.name, target[len("sys.modules[") : -1])
+    name = target.rpartition(".")[2]
+    return patch.undo is None and not patch.item_of and patch.owner is owner and fnmatchcase(patch.name, name)

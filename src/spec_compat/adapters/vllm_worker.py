@@ -10,7 +10,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from .. import source_parsing
+from . import source_parsing
 
 WORKER_MODULES = ("vllm.v1.worker.worker_base", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.cpu_worker")
 
