@@ -497,7 +497,7 @@ def instrument_shim(generator: Any) -> Breakdown:
     # each where the generate() wrapper that calls it looks it up
     for module, name in (
         (results_contract, "check_results"),
-        (input_validation, "normalise_token_ids"),
+        (input_validation, "validated_rows"),
         (input_order, "reorder_to_inputs"),
     ):
         breakdown.wrap(module, name, lambda args, name=name: f"spec_compat {name}")  # type: ignore[misc]

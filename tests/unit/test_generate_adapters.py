@@ -11,7 +11,7 @@ import torch
 
 from spec_compat.adapters.contract import contract_violations, int64_key, known_input_keys
 from spec_compat.adapters.driver.input_order import reorder_to_inputs
-from spec_compat.adapters.driver.input_validation import normalise_token_ids, validated_rows
+from spec_compat.adapters.driver.input_validation import validated_rows
 from spec_compat.adapters.driver.single_step_batches import _verify_worker_order, plan_single_step_batches
 from spec_compat.detect import detect
 from spec_compat.errors import IncompatibleError, ResultContractError
@@ -174,8 +174,8 @@ def test_single_step_planner() -> None:
 
 
 def test_normalise_accepts_tensors_and_tuples() -> None:
-    assert normalise_token_ids(torch.tensor([[1, 2], [3, 4]]), 10) == [[1, 2], [3, 4]]
-    assert normalise_token_ids(([1], (2, 3), torch.tensor([4])), None) == [[1], [2, 3], [4]]
+    assert validated_rows(torch.tensor([[1, 2], [3, 4]]), 10)[0] == [[1, 2], [3, 4]]
+    assert validated_rows(([1], (2, 3), torch.tensor([4])), None)[0] == [[1], [2, 3], [4]]
 
 
 def test_validated_rows_give_each_row_its_int64_key_and_the_contract_reads_it_back() -> None:

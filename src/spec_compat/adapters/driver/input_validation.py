@@ -23,11 +23,6 @@ def _vocab_size(generator: Any) -> int | None:
         return None
 
 
-def normalise_token_ids(token_ids: Any, vocab_size: int | None) -> list[list[int]]:
-    """The batch as lists of ints, or a ValueError/TypeError that names the bad element."""
-    return validated_rows(token_ids, vocab_size)[0]
-
-
 def validated_rows(token_ids: Any, vocab_size: int | None) -> tuple[list[list[int]], list[bytes | None]]:
     """The batch as lists of ints and each list's int64 bytes (None where a row took the slow path),
     or a ValueError/TypeError that names the bad element."""
