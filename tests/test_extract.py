@@ -183,6 +183,10 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["samples"] == len(lines) and stats["tokens"] == sum(map(len, lines)) and stats["batches"] == 5
     assert stats["extract_s"] > 0 and stats["engine_start_s"] > 0
+    # every batch's states came through shared memory, in segments the worker reused
+    transfer = stats["transfer"]
+    assert transfer["replies_handed_over"] + transfer["copied_limit"] + transfer["copied_short"] >= stats["batches"]
+    assert 1 <= transfer["segments_made"] <= stats["batches"], transfer
     # every file's recorded sha256 (computed while writing) is the file's
     for entry in manifest["samples"].values():
         assert hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest() == entry["sha256"]

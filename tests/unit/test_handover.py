@@ -176,3 +176,61 @@ def test_the_lease_is_released_without_the_garbage_collector(directory: str) -> 
     finally:
         gc.enable()
     pool.close()
+
+
+MIB = 1 << 20
+
+
+def _batches_held_by_a_writer(pool: transfer.SegmentPool, mappings: transfer.DriverMappings) -> list[int]:
+    """spec-compat extract's pattern: calls in three parts (two full steps, a short last one), each
+    call's clones kept until the writer has written it, two calls later. ``pool.made`` after each call."""
+    made = []
+    in_writer: list[list[torch.Tensor]] = []
+    for call in range(8):
+        if len(in_writer) == 2:
+            in_writer.pop(0)  # the oldest batch is on disk: its clones go
+            gc.collect()
+        clones = []
+        for nbytes in (10 * MIB, 10 * MIB, 3 * MIB):
+            reply = open_reply([torch.full((nbytes // 4,), float(call))], pool, mappings)
+            clones += [h.clone() for h in reply]
+            del reply
+        in_writer.append(clones)
+        made.append(pool.made)
+    assert all(bool((batch[0] == batch[0][0]).all()) for batch in in_writer), "kept clones were not overwritten"
+    return made
+
+
+def test_segments_are_sized_for_the_recent_replies_so_held_calls_stop_making_them(
+    directory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    made = _batches_held_by_a_writer(pool, mappings)
+    assert made[-1] == made[3], f"no segment made once the pattern repeats: {made}"
+    assert made[-1] <= 9, "at most three calls' parts are in use at once"
+    assert {s.size for s in pool.segments} == {pool.new_size(10 * MIB)}, "every segment fits a full part"
+    assert mappings.refused == 0
+    assert mappings.copied_short == 8, "each call's short last part (3 of 12 MiB) is copied, the full ones kept"
+    pool.close()
+    # The A/B switch: each segment sized for its own reply (a short part's segment fits no full one).
+    monkeypatch.setenv(transfer.EXACT_SIZES_ENV, "1")
+    exact = transfer.SegmentPool(directory, "x")
+    exact_mappings = transfer.DriverMappings(directory)
+    _batches_held_by_a_writer(exact, exact_mappings)
+    assert min(s.size for s in exact.segments) < pool.new_size(10 * MIB) and exact_mappings.copied_short == 0
+    exact.close()
+
+
+def test_a_short_reply_in_a_large_segment_is_copied(directory: str) -> None:
+    """A kept result never pins more than twice its bytes (and one size step) of shared memory."""
+    pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
+    open_reply([torch.zeros(12 * MIB // 4)], pool, mappings)  # dropped at once
+    gc.collect()
+    short = open_reply([torch.ones(MIB // 4)], pool, mappings)  # reuses the 16 MiB segment
+    assert len(pool.segments) == 1 and type(short[0]) is not handover.CloneSource
+    kept = short[0].clone()
+    assert mappings.copied_short == 1 and mappings.held_segments == 0 and bool((kept == 1).all())
+    del short
+    gc.collect()
+    assert not pool.segments[0].leased(), "the copy keeps nothing of the segment"
+    pool.close()

@@ -52,7 +52,8 @@ ALIGN = 256  # bytes; every chunk starts aligned (DMA and any dtype view)
 CHUNK_BYTES = 256 << 20  # largest device-side concatenation (bounds the extra device memory)
 SIZE_STEP = 4 << 20  # segment sizes are multiples of this
 SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses (at least; SegmentPool)
-USE_WINDOW = 32  # replies over which the most segments in use at once is remembered
+USE_WINDOW = 32  # replies over which the most segments in use at once (and the largest reply) is remembered
+EXACT_SIZES_ENV = "SPEC_COMPAT_SEGMENTS_EXACT"  # "1": size each new segment for its own reply (the A/B switch)
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
 
@@ -271,7 +272,14 @@ class SegmentPool:
 
     How many free ones are kept: ``SPARE_SEGMENTS``, or as many as were in use at once within the last
     ``USE_WINDOW`` replies if more (a call run in parts, or results the driver holds while the next
-    call runs, needs that many in turn: fewer would free and re-make segments every call)."""
+    call runs, needs that many in turn: fewer would free and re-make segments every call).
+
+    How large a new one is: big enough for the largest reply of the last ``USE_WINDOW`` (plus an eighth),
+    not only for this one. A call in parts has full steps and a shorter last one; sized each for its own
+    reply, a free segment made for a short step does not fit the next full one, so a new segment was made
+    (fallocate, populate, cudaHostRegister: ~0.1 s for 150 MB) every few replies while results were held
+    (``spec-compat extract`` on an H200: 1.6 s of a 9.2 s run). Spares too small for that size are
+    freed first."""
 
     def __init__(self, directory: str, name: str) -> None:
         self.directory = directory
@@ -282,25 +290,44 @@ class SegmentPool:
         self.last_used: dict[str, int] = {}
         self.pinning_failed = False  # once cudaHostRegister has failed, copy unpinned instead of retrying
         self.made = 0
+        self.freed = 0
+        self.exact_sizes = os.environ.get(EXACT_SIZES_ENV) == "1"
+        self.new_segment_s = 0.0  # of the last acquire: making a segment, freeing spares
+        self.free_segment_s = 0.0
         self._in_use: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # leased + 1, per acquire
+        self._sizes: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # bytes asked, per acquire
 
     def _close(self, segment: Segment) -> None:
+        started = time.perf_counter()
         self.segments.remove(segment)
         self.last_used.pop(segment.path, None)
         segment.close()
+        self.freed += 1
+        self.free_segment_s += time.perf_counter() - started
+
+    def new_size(self, nbytes: int) -> int:
+        """The size of a segment made now for a reply of ``nbytes``."""
+        wanted = max(nbytes, *self._sizes) if self._sizes and not self.exact_sizes else nbytes
+        return _round_up(wanted + wanted // 8, SIZE_STEP)  # headroom for the next, slightly larger call
 
     def acquire(self, nbytes: int, pin: bool) -> Segment:
+        self.new_segment_s = self.free_segment_s = 0.0
         pin = pin and not self.pinning_failed
+        self._sizes.append(nbytes)
         free = [s for s in self.segments if not s.leased()]
         fitting = [s for s in free if s.size >= nbytes and (s.pinned or not pin)]
         chosen = min(fitting, key=lambda s: s.size) if fitting else None
         self._in_use.append(len(self.segments) - len(free) + 1)
         keep = max(SPARE_SEGMENTS, max(self._in_use) - 1)
-        spares = sorted((s for s in free if s is not chosen), key=lambda s: -self.last_used.get(s.path, -1))
+        size = self.new_size(nbytes)
+        spares = sorted(  # large enough for the recent replies first, then the most recently used
+            (s for s in free if s is not chosen),
+            key=lambda s: (s.size < size and not self.exact_sizes, -self.last_used.get(s.path, -1)),
+        )
         for segment in spares[keep:]:
             self._close(segment)
         if chosen is None:
-            size = _round_up(nbytes + nbytes // 8, SIZE_STEP)  # headroom for the next, slightly larger call
+            started = time.perf_counter()
             path = os.path.join(self.directory, f"{self.name}-{next(self._numbers)}")
             try:
                 chosen = Segment(path, size, pin)
@@ -311,6 +338,7 @@ class SegmentPool:
             self.made += 1
             self.pinning_failed = pin and not chosen.pinned
             self.segments.append(chosen)
+            self.new_segment_s = time.perf_counter() - started
         self.last_used[chosen.path] = next(self._uses)
         return chosen
 
@@ -396,7 +424,9 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
         timings=(
             ("own:worker-finite-check", check_s),
             ("transfer:worker-copy", total_s - check_s),  # the segment's acquire (a new one: made) included
-            ("transfer:worker-acquire", acquire_s),
+            ("transfer:worker-acquire", acquire_s),  # of which making a segment, freeing spares:
+            ("transfer:worker-new-segment", pool.new_segment_s),
+            ("transfer:worker-free-segment", pool.free_segment_s),
         ),
     )
 
@@ -446,7 +476,8 @@ class DriverMappings:
     their clones may keep the segment),
     unless the segments already kept by results would pass ``held_limit`` bytes or ``held_segments_limit``
     segments with this one (results kept for long, e.g. of many small calls, then copy: each kept segment
-    is a file in /dev/shm and a descriptor in the worker).
+    is a file in /dev/shm and a descriptor in the worker), or the reply fills less than half its segment
+    (beyond one ``SIZE_STEP``).
     """
 
     def __init__(self, directory: str, held_limit: int | None = None, held_segments_limit: int | None = None) -> None:
@@ -460,7 +491,9 @@ class DriverMappings:
         )
         self.held_segments = 0  # segments whose lease a handed-over result keeps
         self.held_bytes = 0  # their bytes
-        self.refused = 0  # replies not handed over (held_limit)
+        self.refused = 0  # replies not handed over (held_limit, held_segments_limit)
+        self.copied_short = 0  # replies not handed over: less than half their segment (beyond SIZE_STEP)
+        self.segments_seen: set[str] = set()  # every segment a reply came in: how many the worker made
         self.held_count = 0  # segments a result kept at least once
         self._held_lock = threading.RLock()  # RLock: a release can run in the GC inside the lock
 
@@ -499,6 +532,7 @@ class DriverMappings:
             raise ValueError(f"spec_compat: captured states at {states.path!r}, outside {self.directory!r}")
         for path in [p for p in self.maps if p not in states.live_segments]:
             del self.maps[path]  # freed by the worker; the mapping closes once no tensor uses it
+        self.segments_seen.add(states.path)
         if states.nbytes == 0:
             return _substitute(states.template, lambda ref: torch.empty(ref.shape, dtype=getattr(torch, ref.dtype)))
         lease = _Lease(states.path)
@@ -510,7 +544,11 @@ class DriverMappings:
         if handover is not None:
             with self._held_lock:
                 full = self.held_segments >= self.held_segments_limit
-                if full or self.held_bytes + states.segment_size > self.held_limit:
+                if states.segment_size > 2 * states.nbytes + SIZE_STEP:
+                    # a short reply in a segment sized for longer ones: copied, so a kept result never
+                    # pins more than twice its bytes and one size step (the copy of a short reply is cheap)
+                    self.copied_short += 1
+                elif full or self.held_bytes + states.segment_size > self.held_limit:
                     self.refused += 1
                 else:
                     wrap = handover(leased, base.data_ptr(), functools.partial(self.hold, lease, len(mapping)))
@@ -529,7 +567,10 @@ class DriverMappings:
 
 HELD_LIMIT_ENV = "SPEC_COMPAT_HANDOVER_MAX_BYTES"
 HELD_SEGMENTS_ENV = "SPEC_COMPAT_HANDOVER_MAX_SEGMENTS"
-HELD_SEGMENTS = 8  # segments results may keep at once (default of SPEC_COMPAT_HANDOVER_MAX_SEGMENTS)
+# Segments results may keep at once (default of SPEC_COMPAT_HANDOVER_MAX_SEGMENTS). ``spec-compat extract``
+# keeps (pending batches + the call running) x (replies per call, ~4 for 32k tokens in 8k-token steps):
+# 8 made it copy replies; held bytes stay bounded by held_limit and the half-full rule in ``open``.
+HELD_SEGMENTS = 32
 
 
 def _default_held_limit(directory: str) -> int:

@@ -39,6 +39,7 @@ def run(config: ExtractConfig) -> int:
 
     restore_signals = _install_signal_handlers()
     generator: Any = None
+    transfer_mappings: Any = None  # the executor's shared-memory mappings (executor-shared-memory-replies)
     writer: BackgroundWriter | None = None
     failures = 0
     try:
@@ -117,11 +118,13 @@ def run(config: ExtractConfig) -> int:
                 _close_quietly(writer)
         finally:
             if generator is not None:
+                transfer_mappings = getattr(generator.executor, "transfer_mappings", None)
                 generator.executor.shutdown()
             del generator  # let speculators' __del__ run now, not at interpreter teardown
             restore_signals()
     tokens = sum(lengths)
     stats = {
+        "transfer": transfer_counts(transfer_mappings),
         "samples": writer.written_samples,
         "tokens": tokens,
         "format": config.format,
@@ -157,6 +160,20 @@ def run(config: ExtractConfig) -> int:
         file=sys.stderr,
     )
     return 1 if failures or bad else 0
+
+
+def transfer_counts(mappings: Any) -> dict[str, int] | None:
+    """How the run's captured states came to the driver: segments the worker made, replies whose
+    clones kept their segment (driver-states-handover) and those copied instead; None without the
+    shared-memory transfer."""
+    if mappings is None:
+        return None
+    return {
+        "segments_made": len(getattr(mappings, "segments_seen", ())),
+        "replies_handed_over": getattr(mappings, "held_count", 0),
+        "copied_limit": getattr(mappings, "refused", 0),
+        "copied_short": getattr(mappings, "copied_short", 0),
+    }
 
 
 def _close_quietly(writer: BackgroundWriter) -> None:
