@@ -229,7 +229,6 @@ def run_shim(spec: Spec) -> Record:
         "segments_mapped_bytes": sum(len(m) for m in mapped.values()),  # pinned by the worker (cudaHostRegister)
         "segments_handed_over": getattr(mappings, "held_count", None),
         "handover_refused": getattr(mappings, "refused", None),
-        "handover_copied_short": getattr(mappings, "copied_short", None),
         "segments_made": len(getattr(mappings, "segments_seen", ())),
     }
     executor.shutdown()

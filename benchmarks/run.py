@@ -1,6 +1,7 @@
 """spec_compat benchmarks: every figure is a ratio measured side by side in the same run.
 
-    . /work/venvs/v032/bin/activate
+    source "${SPEC_COMPAT_HOME:-$HOME/.cache/spec_compat}/env.sh"   # tools/provision.sh writes it
+    PATH="$SPEC_COMPAT_VENV/bin:$PATH"
     python benchmarks/run.py            # full (~15 min on 2 cores)
     python benchmarks/run.py --quick    # smaller sizes, fewer repetitions (~5 min)
     python benchmarks/run.py --sections fail,overhead
@@ -533,9 +534,9 @@ def default_speculators() -> Path:
         version, _, path = item.partition("=")
         if version.strip() == "0.4.0.1" and path:
             return Path(path)
-    for candidate in (Path("/work/venvs/spec-0.4.0.1"), Path.home() / ".cache/spec_compat/speculators-0.4.0.1"):
-        if candidate.is_dir():
-            return candidate
+    candidate = Path(os.environ.get("SPEC_COMPAT_HOME", Path.home() / ".cache/spec_compat")) / "speculators-0.4.0.1"
+    if candidate.is_dir():  # where tools/provision.sh installs it
+        return candidate
     raise SystemExit("speculators 0.4.0.1 not found: pass --speculators DIR (a pip --target install)")
 
 

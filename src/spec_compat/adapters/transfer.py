@@ -52,8 +52,7 @@ ALIGN = 256  # bytes; every chunk starts aligned (DMA and any dtype view)
 CHUNK_BYTES = 256 << 20  # largest device-side concatenation (bounds the extra device memory)
 SIZE_STEP = 4 << 20  # segment sizes are multiples of this
 SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses (at least; SegmentPool)
-USE_WINDOW = 32  # replies over which the most segments in use at once (and the largest reply) is remembered
-EXACT_SIZES_ENV = "SPEC_COMPAT_SEGMENTS_EXACT"  # "1": size each new segment for its own reply (the A/B switch)
+USE_WINDOW = 32  # replies over which the most segments in use at once is remembered
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
 
@@ -274,12 +273,9 @@ class SegmentPool:
     ``USE_WINDOW`` replies if more (a call run in parts, or results the driver holds while the next
     call runs, needs that many in turn: fewer would free and re-make segments every call).
 
-    How large a new one is: big enough for the largest reply of the last ``USE_WINDOW`` (plus an eighth),
-    not only for this one. A call in parts has full steps and a shorter last one; sized each for its own
-    reply, a free segment made for a short step does not fit the next full one, so a new segment was made
-    (fallocate, populate, cudaHostRegister: ~0.1 s for 150 MB) every few replies while results were held
-    (``spec-compat extract`` on an H200: 1.6 s of a 9.2 s run). Spares too small for that size are
-    freed first."""
+    How large a new one is: its own reply plus an eighth. Sizing it for the largest of the recent replies
+    instead (so a segment made for a call's short last step fits its next full one) was measured on an
+    H200 (docs/benchmarks.md, run O) and made both generate() and extract slower: it is not done."""
 
     def __init__(self, directory: str, name: str) -> None:
         self.directory = directory
@@ -291,11 +287,9 @@ class SegmentPool:
         self.pinning_failed = False  # once cudaHostRegister has failed, copy unpinned instead of retrying
         self.made = 0
         self.freed = 0
-        self.exact_sizes = os.environ.get(EXACT_SIZES_ENV) == "1"
         self.new_segment_s = 0.0  # of the last acquire: making a segment, freeing spares
         self.free_segment_s = 0.0
         self._in_use: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # leased + 1, per acquire
-        self._sizes: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # bytes asked, per acquire
 
     def _close(self, segment: Segment) -> None:
         started = time.perf_counter()
@@ -305,29 +299,20 @@ class SegmentPool:
         self.freed += 1
         self.free_segment_s += time.perf_counter() - started
 
-    def new_size(self, nbytes: int) -> int:
-        """The size of a segment made now for a reply of ``nbytes``."""
-        wanted = max(nbytes, *self._sizes) if self._sizes and not self.exact_sizes else nbytes
-        return _round_up(wanted + wanted // 8, SIZE_STEP)  # headroom for the next, slightly larger call
-
     def acquire(self, nbytes: int, pin: bool) -> Segment:
         self.new_segment_s = self.free_segment_s = 0.0
         pin = pin and not self.pinning_failed
-        self._sizes.append(nbytes)
         free = [s for s in self.segments if not s.leased()]
         fitting = [s for s in free if s.size >= nbytes and (s.pinned or not pin)]
         chosen = min(fitting, key=lambda s: s.size) if fitting else None
         self._in_use.append(len(self.segments) - len(free) + 1)
         keep = max(SPARE_SEGMENTS, max(self._in_use) - 1)
-        size = self.new_size(nbytes)
-        spares = sorted(  # large enough for the recent replies first, then the most recently used
-            (s for s in free if s is not chosen),
-            key=lambda s: (s.size < size and not self.exact_sizes, -self.last_used.get(s.path, -1)),
-        )
+        spares = sorted((s for s in free if s is not chosen), key=lambda s: -self.last_used.get(s.path, -1))
         for segment in spares[keep:]:
             self._close(segment)
         if chosen is None:
             started = time.perf_counter()
+            size = _round_up(nbytes + nbytes // 8, SIZE_STEP)  # headroom for the next, slightly larger call
             path = os.path.join(self.directory, f"{self.name}-{next(self._numbers)}")
             try:
                 chosen = Segment(path, size, pin)
@@ -476,8 +461,7 @@ class DriverMappings:
     their clones may keep the segment),
     unless the segments already kept by results would pass ``held_limit`` bytes or ``held_segments_limit``
     segments with this one (results kept for long, e.g. of many small calls, then copy: each kept segment
-    is a file in /dev/shm and a descriptor in the worker), or the reply fills less than half its segment
-    (beyond one ``SIZE_STEP``).
+    is a file in /dev/shm and a descriptor in the worker).
     """
 
     def __init__(self, directory: str, held_limit: int | None = None, held_segments_limit: int | None = None) -> None:
@@ -492,7 +476,6 @@ class DriverMappings:
         self.held_segments = 0  # segments whose lease a handed-over result keeps
         self.held_bytes = 0  # their bytes
         self.refused = 0  # replies not handed over (held_limit, held_segments_limit)
-        self.copied_short = 0  # replies not handed over: less than half their segment (beyond SIZE_STEP)
         self.segments_seen: set[str] = set()  # every segment a reply came in: how many the worker made
         self.held_count = 0  # segments a result kept at least once
         self._held_lock = threading.RLock()  # RLock: a release can run in the GC inside the lock
@@ -544,11 +527,7 @@ class DriverMappings:
         if handover is not None:
             with self._held_lock:
                 full = self.held_segments >= self.held_segments_limit
-                if states.segment_size > 2 * states.nbytes + SIZE_STEP:
-                    # a short reply in a segment sized for longer ones: copied, so a kept result never
-                    # pins more than twice its bytes and one size step (the copy of a short reply is cheap)
-                    self.copied_short += 1
-                elif full or self.held_bytes + states.segment_size > self.held_limit:
+                if full or self.held_bytes + states.segment_size > self.held_limit:
                     self.refused += 1
                 else:
                     wrap = handover(leased, base.data_ptr(), functools.partial(self.hold, lease, len(mapping)))
@@ -567,10 +546,9 @@ class DriverMappings:
 
 HELD_LIMIT_ENV = "SPEC_COMPAT_HANDOVER_MAX_BYTES"
 HELD_SEGMENTS_ENV = "SPEC_COMPAT_HANDOVER_MAX_SEGMENTS"
-# Segments results may keep at once (default of SPEC_COMPAT_HANDOVER_MAX_SEGMENTS). ``spec-compat extract``
-# keeps (pending batches + the call running) x (replies per call, ~4 for 32k tokens in 8k-token steps):
-# 8 made it copy replies; held bytes stay bounded by held_limit and the half-full rule in ``open``.
-HELD_SEGMENTS = 32
+# Segments results may keep at once (default of SPEC_COMPAT_HANDOVER_MAX_SEGMENTS). 32 was measured on an
+# H200 with ``spec-compat extract`` (docs/benchmarks.md, run O) and was slower than 8.
+HELD_SEGMENTS = 8
 
 
 def _default_held_limit(directory: str) -> int:

@@ -172,7 +172,6 @@ def transfer_counts(mappings: Any) -> dict[str, int] | None:
         "segments_made": len(getattr(mappings, "segments_seen", ())),
         "replies_handed_over": getattr(mappings, "held_count", 0),
         "copied_limit": getattr(mappings, "refused", 0),
-        "copied_short": getattr(mappings, "copied_short", 0),
     }
 
 
