@@ -206,7 +206,7 @@ def test_batches_held_by_a_writer_keep_their_bytes_and_the_pool_counts_its_segme
     every segment made and not kept was freed; the acquire that made one reports its seconds."""
     pool, mappings = transfer.SegmentPool(directory, "w"), transfer.DriverMappings(directory)
     made = _batches_held_by_a_writer(pool, mappings)
-    assert made == sorted(made) and made[-1] >= 3, made
+    assert made[-1] >= 3, f"three parts in use at once need three segments: {made}"
     assert len(mappings.segments_seen) == pool.made
     assert pool.freed == pool.made - len(pool.segments)
     assert mappings.held_count + mappings.refused == 8 * 3, "every part handed over or copied"

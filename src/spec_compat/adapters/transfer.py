@@ -287,8 +287,8 @@ class SegmentPool:
         self.pinning_failed = False  # once cudaHostRegister has failed, copy unpinned instead of retrying
         self.made = 0
         self.freed = 0
-        self.new_segment_s = 0.0  # of the last acquire: making a segment, freeing spares
-        self.free_segment_s = 0.0
+        self.new_segment_s = 0.0  # of the last acquire: seconds making a segment
+        self.free_segment_s = 0.0  # ... and freeing spares
         self._in_use: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # leased + 1, per acquire
 
     def _close(self, segment: Segment) -> None:
