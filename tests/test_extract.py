@@ -247,8 +247,11 @@ def test_killed_run_resumes_without_losing_work(tmp_path: Path) -> None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    recorded_at_kill = json.loads((out / "manifest.json").read_text())["samples"]
+    recorded_at_kill = _recorded_after_a_crash(out)
     assert 4 <= done_before <= len(recorded_at_kill) < 60, (done_before, len(recorded_at_kill))
+    for key, entry in recorded_at_kill.items():  # listed (manifest or journal) means complete
+        digest = hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest()
+        assert digest == entry["sha256"], f"sample {key} is listed but its file is not complete"
     kept = {name: (out / entry["file"]).stat().st_mtime_ns for name, entry in recorded_at_kill.items()}
     resumed = _run(_command(data, out, "--batch-size", "8"))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -312,8 +315,24 @@ def test_cli_errors_are_one_line(tmp_path: Path, change: dict[str, str], message
     assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1
 
 
-def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
+def _recorded_after_a_crash(out: Path) -> dict[str, dict[str, object]]:
+    """What a killed run left recorded: manifest.json's samples plus the complete lines of its
+    journal (the samples of the batches since manifest.json was last rewritten)."""
     samples: dict[str, dict[str, object]] = json.loads((out / "manifest.json").read_text())["samples"]
+    journal = out / "manifest.json.journal"
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the append the kill cut off
+            break
+        samples[record["idx"]] = record["entry"]
+    return samples
+
+
+def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
+    """What the run recorded (manifest.json, and a journal if it could not rewrite the manifest at the end:
+    a full disk), each file checked against its sha256."""
+    samples = _recorded_after_a_crash(out)
     for key, entry in samples.items():
         digest = hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest()
         assert digest == entry["sha256"], f"sample {key} is listed but its file is not complete"

@@ -111,6 +111,8 @@ def _job(tmp_path: Path, poison: set[int], samples: int = 12, on_error: str = "s
 def test_every_sample_is_recorded_once_and_files_get_their_final_names(tmp_path: Path) -> None:
     job, ray = _job(tmp_path, poison=set())
     job.run()
+    job.manifest.close()  # as run_distributed does at the end: manifest.json and sample_lengths.json complete
+    assert not (job.config.output / "manifest.json.journal").exists()
     listed = job.manifest.data["samples"]
     assert sorted(map(int, listed)) == list(range(12)) and job.failures == 0
     assert sorted(i for batch in ray.batches for i in batch) == list(range(12))  # each sample ran once

@@ -8,7 +8,7 @@ One module per concern, in an order no import goes against (a module imports onl
 - ``fp8``: ``--save-dtype fp8`` (float8 states, per-token scales, their error);
 - ``formats``: the output layouts behind one interface (``formats/v1.py``, ``formats/hs.py``);
 - ``dataset``: the input read and checked before an engine loads (model facts, lines, layer ids);
-- ``manifest``: ``manifest.json`` (provenance, a sha256 per file, failures) and ``sample_lengths.json``;
+- ``manifest``: ``manifest.json`` (provenance, a sha256 per file, failures), its journal and ``sample_lengths.json``;
 - ``batching``: batch planning, bad-sample isolation, the payloads, progress;
 - ``writer``: a sample's file, the background writer (writer threads, one recorder thread), adopting
   files another process wrote;

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+JOURNAL = "manifest.json.journal"  # samples recorded since manifest.json was last rewritten (manifest.py)
 LENGTHS = "sample_lengths.json"
 STATS = "extract_stats.json"
 FORMAT = "speculators-eagle3-v1"

@@ -169,7 +169,7 @@ class Job:
         if self.new_manifest:  # what the replicas run with (the driver may not even have vLLM)
             self.manifest.data["provenance"]["environment"] = info["environment"]
             self.manifest.data["provenance"]["adapters_applied"] = info["applied"]
-            self.manifest.save(self.config.fsync)
+            self.manifest.save(self.config.fsync, rewrite=True)
         lengths = [min(len(s.input_ids), self.limit) for s in self.todo]
         max_samples = self.config.batch_size or info["max_num_seqs"] or 16
         self.queue = deque(
@@ -356,6 +356,7 @@ def run_distributed(
     new_manifest = not (config.output / MANIFEST).exists()
     manifest, todo = open_manifest(config, provenance(config, detect().as_dict(), []), todo_all, bad)
     manifest.data["runs"][-1].update(replicas=replicas, ray_address=ray_address, max_retries=max_retries)
+    manifest.save(config.fsync, rewrite=True)
     if not todo:
         return 1 if bad else 0
 
@@ -379,6 +380,8 @@ def run_distributed(
                 ray.shutdown()
             shutil.rmtree(config.output / TMP_DIR, ignore_errors=True)
         finally:
+            with contextlib.suppress(OSError, WriteFailed):  # if manifest.json cannot be, the journal keeps the rest
+                manifest.close(config.fsync)
             SIGNALS.restore()
     assert job is not None
     extract_s = (job.finished or time.perf_counter()) - job.started if job.started is not None else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -9,7 +10,7 @@ from typing import Any
 
 from . import formats
 from .batching import Progress, generate_isolating, plan_batches, sample_payloads
-from .config import STATS, ExtractConfig, ExtractError
+from .config import STATS, ExtractConfig, ExtractError, WriteFailed
 from .dataset import checked_samples
 from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
 from .manifest import _provenance, open_manifest
@@ -114,8 +115,14 @@ def run(config: ExtractConfig) -> int:
         return 128 + exc.signum
     finally:
         try:
-            if writer is not None:
-                _close_quietly(writer)
+            try:
+                if writer is not None:
+                    _close_quietly(writer)
+            finally:
+                # manifest.json complete; if even that cannot be written (a full disk), the journal keeps
+                # what is done for the rerun and the error the run reports stays the one shown
+                with contextlib.suppress(OSError, WriteFailed):
+                    manifest.close(config.fsync)
         finally:
             if generator is not None:
                 transfer_mappings = getattr(generator.executor, "transfer_mappings", None)

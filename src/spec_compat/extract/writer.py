@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -177,9 +178,13 @@ class BackgroundWriter:
             raise failure
 
     def close(self) -> None:
-        """Finish what can be finished (the files of batches already submitted), then stop."""
+        """Finish what can be finished (the files of batches already submitted), then stop, with
+        manifest.json complete (``Manifest.close``; if a full disk refuses even that, its journal
+        keeps what is done and the error raised is the write's that failed first)."""
         try:
             self.drain()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.recorder.shutdown(wait=True)
+            with contextlib.suppress(OSError, WriteFailed):
+                self.manifest.close(self.sync)
