@@ -213,3 +213,19 @@ def test_batches_held_by_a_writer_keep_their_bytes_and_the_pool_counts_its_segme
     open_reply([torch.zeros(64 * MIB // 4)], pool, mappings)  # larger than any segment: a new one
     assert pool.new_segment_s > 0
     pool.close()
+
+
+def test_prefetch_makes_the_next_segment_before_a_reply_needs_it(directory: str) -> None:
+    """extract's pattern with prefetch on: the segments a later call needs are made in the background
+    (the acquire then only adopts one), the kept clones keep their bytes, and the pool frees all at close."""
+    pool = transfer.SegmentPool(directory, "w", prefetch=True)
+    mappings = transfer.DriverMappings(directory)
+    made = _batches_held_by_a_writer(pool, mappings)
+    assert pool.prefetched >= 1, f"no segment was made in the background: {made}"
+    assert pool.freed == pool.made - len(pool.segments)
+    on_demand = transfer.SegmentPool(directory, "o")
+    _batches_held_by_a_writer(on_demand, transfer.DriverMappings(directory))
+    assert pool.made - pool.prefetched < on_demand.made, "prefetching did not spare any reply a segment of its own"
+    pool.close()
+    on_demand.close()
+    assert not [name for name in os.listdir(directory) if name.startswith(("w-", "o-"))]

@@ -41,6 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ SIZE_STEP = 4 << 20  # segment sizes are multiples of this
 SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses (at least; SegmentPool)
 USE_WINDOW = 32  # replies over which the most segments in use at once is remembered
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
+PREFETCH_ENV = "SPEC_COMPAT_SEGMENT_PREFETCH"  # "0": a worker makes a segment only when a reply needs one
 
 
 # ---- the descriptor ----------------------------------------------------------------------------------
@@ -244,6 +246,7 @@ class Segment:
         self.size = size
         self.fd = fd
         self.host = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.pin_requested = pin
         self.pinned = _pin(self.host) if pin else False
 
     def leased(self) -> bool:
@@ -275,11 +278,24 @@ class SegmentPool:
 
     How large a new one is: its own reply plus an eighth. Sizing it for the largest of the recent replies
     instead (so a segment made for a call's short last step fits its next full one) was measured on an
-    H200 (docs/benchmarks.md, run O) and made both generate() and extract slower: it is not done."""
+    H200 (docs/benchmarks.md, run O) and made both generate() and extract slower: it is not done.
 
-    def __init__(self, directory: str, name: str) -> None:
+    ``prefetch``: when an acquire leaves no other free segment that would fit a reply as large as the
+    largest of the recent ones, the next segment is made on a background thread while the worker
+    computes the next forward (fallocate, populate and cudaHostRegister all release the GIL), so the
+    reply that needs it does not wait 0.2-0.4 s for it (H200, spec-compat extract: 2-6 such waits per
+    run, 0.8-1.3 s of a 5-8 s run, run Q). At most one is made at a time; one that is never used is
+    a spare like any other. Off: ``SPEC_COMPAT_SEGMENT_PREFETCH=0``."""
+
+    def __init__(self, directory: str, name: str, prefetch: bool = False) -> None:
         self.directory = directory
         self.name = name
+        self.prefetch = prefetch
+        self._prefetching: Future[Segment] | None = None  # the segment being made in the background
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._recent_sizes: collections.deque[int] = collections.deque(maxlen=USE_WINDOW)  # replies' bytes
+        self.prefetched = 0  # segments made in the background
+        self.prefetch_wait_s = 0.0  # of the last acquire: seconds waiting for the one being made
         self.segments: list[Segment] = []
         self._numbers = itertools.count()
         self._uses = itertools.count()
@@ -300,10 +316,18 @@ class SegmentPool:
         self.free_segment_s += time.perf_counter() - started
 
     def acquire(self, nbytes: int, pin: bool) -> Segment:
-        self.new_segment_s = self.free_segment_s = 0.0
+        self.new_segment_s = self.free_segment_s = self.prefetch_wait_s = 0.0
         pin = pin and not self.pinning_failed
+        self._recent_sizes.append(nbytes)
+        self._adopt_prefetched(wait=False)
         free = [s for s in self.segments if not s.leased()]
         fitting = [s for s in free if s.size >= nbytes and (s.pinned or not pin)]
+        if not fitting and self._prefetching is not None:  # waiting for it is shorter than making one
+            waited = time.perf_counter()
+            if (made := self._adopt_prefetched(wait=True)) is not None:
+                free.append(made)
+                fitting += [made] if made.size >= nbytes and (made.pinned or not pin) else []
+            self.prefetch_wait_s = time.perf_counter() - waited
         chosen = min(fitting, key=lambda s: s.size) if fitting else None
         self._in_use.append(len(self.segments) - len(free) + 1)
         keep = max(SPARE_SEGMENTS, max(self._in_use) - 1)
@@ -325,9 +349,47 @@ class SegmentPool:
             self.segments.append(chosen)
             self.new_segment_s = time.perf_counter() - started
         self.last_used[chosen.path] = next(self._uses)
+        if self.prefetch:
+            self._prefetch_if_short(chosen, pin)
         return chosen
 
+    def _prefetch_if_short(self, chosen: Segment, pin: bool) -> None:
+        """Start making a segment for the largest recent reply if no free one but ``chosen`` fits it."""
+        if self._prefetching is not None:
+            return
+        largest = max(self._recent_sizes)
+        if any(s is not chosen and s.size >= largest and not s.leased() for s in self.segments):
+            return
+        size = _round_up(largest + largest // 8, SIZE_STEP)
+        path = os.path.join(self.directory, f"{self.name}-{next(self._numbers)}")
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-compat-segment")
+        self._prefetching = self._prefetcher.submit(Segment, path, size, pin)
+
+    def _adopt_prefetched(self, wait: bool) -> Segment | None:
+        """The background segment, once made (``wait``: until then), added to the pool; None if none
+        was made (still running, or it failed: a full /dev/shm leaves the reply to make its own)."""
+        future = self._prefetching
+        if future is None or not (wait or future.done()):
+            return None
+        self._prefetching = None
+        try:
+            made = future.result()
+        except OSError:
+            return None
+        self.made += 1
+        self.prefetched += 1
+        self.pinning_failed = self.pinning_failed or (made.pin_requested and not made.pinned)
+        self.segments.append(made)
+        self.last_used[made.path] = next(self._uses)  # ranked as recent: not the first spare to be freed
+        return made
+
     def close(self) -> None:
+        if self._prefetching is not None:
+            self._adopt_prefetched(wait=True)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
         for segment in self.segments:
             segment.close()
         self.segments.clear()
@@ -412,6 +474,7 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
             ("transfer:worker-acquire", acquire_s),  # of which making a segment, freeing spares:
             ("transfer:worker-new-segment", pool.new_segment_s),
             ("transfer:worker-free-segment", pool.free_segment_s),
+            ("transfer:worker-prefetch-wait", pool.prefetch_wait_s),  # for a segment made in the background
         ),
     )
 

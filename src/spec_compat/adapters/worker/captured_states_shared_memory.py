@@ -34,7 +34,8 @@ def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
             return result  # not started by spec_compat's executor (or its transfer is off): as speculators does
         pool = self.__dict__.get("_spec_compat_segments")
         if pool is None or pool.directory != directory:
-            pool = transfer.SegmentPool(directory, f"rank{tp_rank()}-pid{os.getpid()}")
+            prefetch = os.environ.get(transfer.PREFETCH_ENV, "1") != "0"
+            pool = transfer.SegmentPool(directory, f"rank{tp_rank()}-pid{os.getpid()}", prefetch=prefetch)
             self._spec_compat_segments = pool
         return transfer.pack(result, pool)
 
@@ -44,7 +45,10 @@ def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
 CAPTURED_STATES_SHARED_MEMORY = Adapter(
     id="captured-states-shared-memory",
     patches=("speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._get_captured_states",),
-    how="reply through a shared-memory segment",
+    how=(
+        "reply through a shared-memory segment; the next segment made in the background when no spare would fit "
+        "(SPEC_COMPAT_SEGMENT_PREFETCH=0: only on demand)"
+    ),
     why=(
         "the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message queue and "
         "the driver checked NaN/Inf on the CPU: 12k tok/s where vLLM extracts 153k on one H200 (GPU_NOTES 'Turn-2 "
