@@ -203,3 +203,32 @@ def test_a_file_system_refusing_unaligned_direct_writes_gets_the_bytes_through_t
     assert refused, "the O_DIRECT write was tried"
     assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest
     assert torch.equal(torch.load(tmp_path / name)["hidden_states"][0], payload["hidden_states"][0])
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or os.uname().sysname != "Linux", reason="per-thread nice: Linux")
+@pytest.mark.parametrize("nice", ["0", "10"])
+def test_writer_threads_run_nicer_than_the_engine_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nice: str
+) -> None:
+    """The files are written by threads SPEC_COMPAT_WRITER_NICE nicer than the caller (the engine
+    loop), which keeps its own priority; the files are the same either way."""
+    import threading
+
+    monkeypatch.setenv("SPEC_COMPAT_WRITER_NICE", nice)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+    real_save = torch.save
+
+    def save_noting_priority(obj: Any, path: Any) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        real_save(obj, path)
+
+    monkeypatch.setattr(torch, "save", save_noting_priority)
+    writer = extract.BackgroundWriter(tmp_path, _manifest(tmp_path), threads=2, pending=1)
+    writer.submit([(i, _payload(4, float(i))) for i in range(4)])
+    writer.close()
+    assert seen and set(seen) == {min(19, own + int(nice))}, seen
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    assert writer.nice == int(nice)
+    loaded = torch.load(tmp_path / "data_3.pt")
+    assert torch.equal(loaded["hidden_states"][0], torch.full((4, 8), 3.0))

@@ -151,6 +151,7 @@ def run(config: ExtractConfig) -> int:
         "prepare_s": prepare_s,
         "writer_wait_s": writer.wait_s,
         "writer_threads": config.writer_threads,
+        "writer_nice": writer.nice,
         "pending_batches": config.pending_batches,
         "zip_crc32": zip_crc32,
         "fsync": config.fsync,
