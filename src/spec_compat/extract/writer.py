@@ -21,8 +21,10 @@ from .formats import Format
 from .formats.v1 import SpeculatorsV1
 from .manifest import Manifest
 
-WRITER_NICE_ENV = "SPEC_COMPAT_WRITER_NICE"  # niceness the writer threads add to their own; "0": none
-DEFAULT_WRITER_NICE = 10
+WRITER_NICE_ENV = "SPEC_COMPAT_WRITER_NICE"  # niceness the writer threads add to their own (0-19)
+# 0 until measured on the GPU: run R's A/B of it got no figure (that machine's vLLM-native path alone
+# ran past its timeout), and nothing on the data path changes default without one
+DEFAULT_WRITER_NICE = 0
 
 
 def writer_nice() -> int:
@@ -41,7 +43,7 @@ def lower_this_threads_priority(increment: int) -> None:
     second of extract on an H200 (12-22 CPU-s for an 11 GB run of 5 s); beside them the engine's
     own threads (this loop, vLLM's engine core and worker) lose their cores, and the forward RPCs
     took 1.9-4.0 s where the generator alone takes 2.0 (run R, docs/benchmarks.md). Nicer writers
-    still get every core the engine leaves idle."""
+    would still get every core the engine leaves idle."""
     if increment <= 0 or sys.platform != "linux":
         return
     tid = threading.get_native_id()
