@@ -42,7 +42,12 @@ def render() -> str:
             lines.append(f"- speculators: `{unit.speculators}` (outside it the adapter is not applied)")
         lines += [
             f"- why: {unit.why}",
-            f"- vLLM change: {unit.vllm_change}",
+            f"- vLLM change: {unit.vllm_change}"
+            + (
+                f"; first seen in nightly {unit.first_seen_nightly} (tools/matrix.py bisect)"
+                if unit.first_seen_nightly
+                else ""
+            ),
             f"- detect: {unit.detect}",
             f"- delete when: {unit.delete_when}",
             "- patches: " + ", ".join(f"`{t}`" for t in unit.patches) + (f" ({unit.how})" if unit.how else ""),

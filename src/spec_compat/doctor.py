@@ -35,6 +35,8 @@ def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
     if adapter is None:
         return decision
     notes: dict[str, Any] = {k: str(getattr(adapter, k)) for k in ("how", "why", "vllm_change", "delete_when")}
+    if adapter.first_seen_nightly:
+        notes["vllm_change"] += f"; first seen in nightly {adapter.first_seen_nightly}"
     notes |= {"file": adapter_file(adapter.id), "patches": list(adapter.patches)}
     notes["speculators"] = str(adapter.speculators)
     return {**decision, **notes}

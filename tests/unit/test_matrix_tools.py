@@ -210,3 +210,20 @@ def test_a_venv_for_another_python_is_its_own_folder() -> None:
     requirement = 'foo>=1; python_version >= "3.12"'
     metadata = _metadata(requirement, "torch==2.13.0")
     assert matrix.runtime_requirements(metadata, env) == ["foo>=1"]
+
+
+def test_bisect_finds_the_first_build_that_needs_an_adapter_in_log_steps() -> None:
+    builds = [f"0.2{i // 10}.1.dev2026{6 + i // 30:02d}{1 + i % 28:02d}0900" for i in range(91)]
+    for first in (1, 2, 45, 89, 90):
+        asked: list[str] = []
+
+        def needed(build: str, first: int = first, asked: list[str] = asked) -> bool:
+            asked.append(build)
+            return builds.index(build) >= first
+
+        found, answers = matrix.first_needed(builds, needed)
+        assert found == first and len(asked) <= 2 + 7, (first, len(asked))
+        assert answers == {b: builds.index(b) >= first for b in asked}
+    assert matrix.first_needed(builds, lambda build: True)[0] == 0, "needed throughout: the change is older"
+    with pytest.raises(ValueError):
+        matrix.first_needed(builds, lambda build: False)
