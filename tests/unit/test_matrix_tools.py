@@ -227,3 +227,17 @@ def test_bisect_finds_the_first_build_that_needs_an_adapter_in_log_steps() -> No
     assert matrix.first_needed(builds, lambda build: True)[0] == 0, "needed throughout: the change is older"
     with pytest.raises(ValueError):
         matrix.first_needed(builds, lambda build: False)
+
+
+def test_readme_folds_the_nightly_builds_into_one_row_naming_any_that_fail() -> None:
+    row = matrix_table.nightly_row(
+        [
+            ("0.22.2.dev20260611", ["works (1/1 engine cells); n/a: x", "works (1/1 engine cells)", "not run"]),
+            ("0.29.1.dev202609171111", ["works (3/3 engine cells)", "FAILS (2/3 engine cells)", "works (3/3)"]),
+        ]
+    )
+    assert row.startswith("| nightlies: 2 builds, 0.22.2.dev20260611 .. 0.29.1.dev202609171111 |")
+    cells = row.split(" | ")
+    assert cells[1] == "works on 2/2 builds; some cells n/a (vLLM's own limits on CPU)"
+    assert cells[2].startswith("works on 1/2 builds; not: 0.29.1.dev202609171111")
+    assert cells[3].startswith("works on 1/2 builds; not: 0.22.2.dev20260611")
