@@ -60,6 +60,11 @@ UPSTREAM_LIMITS = {
     # any set_current_vllm_config(); vLLM's own LLM fails the same way there (tools/matrix_llm_check.py)
     "AssertionError: Current vLLM config is not set": "vLLM's own LLM fails the same way on CPU (its fused MoE "
     "builds a CustomOp during the forward, outside the config context)",
+    # nightly 0.27.2.dev202608230642: CPUMLAImpl no longer overrides forward_mha, whose shared version calls
+    # the prefill backend that the selector picks on CPU (CPU_NATIVE), which raises by design: every MLA
+    # prefill on CPU fails there (read in the wheel's source; 08-30's build has a CPU SDPA prefill backend)
+    "CPUNativeMLAPrefillBackend.run_prefill_new_tokens is unreachable": "this vLLM's CPU MLA cannot prefill (its "
+    "shared forward_mha calls the CPU prefill backend, which raises by design)",
     # nightly 0.29.1.dev202609131116: its JIT-warmup helper reads triton.runtime at import, also from the
     # placeholder module vLLM uses where Triton has no CPU backend; vLLM's own LLM fails the same way
     # (tools/matrix_llm_check.py), and the build of 09-17 no longer does
@@ -301,9 +306,11 @@ def nightly_row(nightlies: list[tuple[str, list[str]]]) -> str:
     for column in range(len(SPECULATORS)):
         texts = {version: row[column] for version, row in nightlies}
         works = [v for v, t in texts.items() if t.startswith("works")]
-        other = sorted(v for v in texts if v not in works)
+        none_can_run = sorted(v for v, t in texts.items() if t.startswith("no engine cell can run"))
+        other = sorted(v for v in texts if v not in works and v not in none_can_run)
         text = f"works on {len(works)}/{len(texts)} builds"
         text += f"; not: {', '.join(other)}" if other else ""
+        text += f"; no cell can run on {', '.join(none_can_run)} (vLLM's own failure)" if none_can_run else ""
         text += "; some cells n/a (vLLM's own limits on CPU)" if any("n/a" in t for t in texts.values()) else ""
         cells.append(text)
     first, last = nightlies[0][0], nightlies[-1][0]

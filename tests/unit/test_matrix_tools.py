@@ -234,10 +234,14 @@ def test_readme_folds_the_nightly_builds_into_one_row_naming_any_that_fail() -> 
         [
             ("0.22.2.dev20260611", ["works (1/1 engine cells); n/a: x", "works (1/1 engine cells)", "not run"]),
             ("0.29.1.dev202609171111", ["works (3/3 engine cells)", "FAILS (2/3 engine cells)", "works (3/3)"]),
+            ("0.29.1.dev202609131116", ["no engine cell can run here; n/a: y"] * 3),
         ]
     )
-    assert row.startswith("| nightlies: 2 builds, 0.22.2.dev20260611 .. 0.29.1.dev202609171111 |")
+    assert row.startswith("| nightlies: 3 builds, 0.22.2.dev20260611 .. 0.29.1.dev202609131116 |")
     cells = row.split(" | ")
-    assert cells[1] == "works on 2/2 builds; some cells n/a (vLLM's own limits on CPU)"
-    assert cells[2].startswith("works on 1/2 builds; not: 0.29.1.dev202609171111")
-    assert cells[3].startswith("works on 1/2 builds; not: 0.22.2.dev20260611")
+    assert cells[1] == (
+        "works on 2/3 builds; no cell can run on 0.29.1.dev202609131116 (vLLM's own failure); "
+        "some cells n/a (vLLM's own limits on CPU)"
+    )
+    assert cells[2].startswith("works on 1/3 builds; not: 0.29.1.dev202609171111;")
+    assert cells[3].startswith("works on 1/3 builds; not: 0.22.2.dev20260611;")
