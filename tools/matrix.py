@@ -896,18 +896,27 @@ def bisect(args: argparse.Namespace) -> dict[str, Any]:
     bad = builds.index(args.bad) if args.bad else len(builds) - 1
     series = builds[good : bad + 1]
     started = time.perf_counter()
-    found, asked = first_needed(series, lambda v: args.adapter in active_adapters(v, python, args.speculators))
     record: dict[str, Any] = {
         "adapter": args.adapter,
         "speculators": args.speculators,
         "series": [series[0], series[-1]],
         "builds_in_series": len(series),
-        "probed": {v: asked[v] for v in series if v in asked},
-        "first_needed": {"build": series[found], "date": str(build_date(series[found]))},
+        "first_needed": None,
         "last_not_needed": None,
         "confirm": {},
     }
-    if found == 0:
+    asked: dict[str, bool] = {}
+    try:
+        found, asked = first_needed(series, lambda v: args.adapter in active_adapters(v, python, args.speculators))
+    except ValueError:
+        found = -1
+        asked = {series[-1]: False}
+    record["probed"] = {v: asked[v] for v in series if v in asked}
+    if found >= 0:
+        record["first_needed"] = {"build": series[found], "date": str(build_date(series[found]))}
+    if found < 0:
+        record["note"] = f"not active in {series[-1]}, the newest build of the series: no build of it needs the adapter"
+    elif found == 0:
         record["note"] = "needed from the first build of the series: the change is older than the series"
     else:
         before = series[found - 1]

@@ -49,6 +49,7 @@ EXECUTOR_KV_LAYOUT = Adapter(
     why="workers fail allocating the KV cache: layout never resolved",
     vllm_change="0.29.0 engine core resolves the layout (resolve_kv_cache_layout, set_kv_cache_layout)",
     detect="hasattr(MultiprocExecutor, 'set_kv_cache_layout')",
+    first_seen_nightly="0.27.2.dev202608220641",
     delete_when="the layout is resolved inside initialize_from_config",
     side="driver",
     probe=probe_kv_layout,
