@@ -892,8 +892,13 @@ def run_without(version: str, python: str, adapter: str, speculators: str, selec
 def bisect(args: argparse.Namespace) -> dict[str, Any]:
     python = resolve_python(args.python)
     builds = nightly_builds(python)
+    unknown = [b for b in (args.good, args.bad) if b and b not in builds]
+    if unknown:
+        raise SystemExit(f"bisect: not a {NIGHTLY_PACKAGE} build: {', '.join(unknown)} (see: matrix.py nightly --list)")
     good = builds.index(args.good) if args.good else 0
     bad = builds.index(args.bad) if args.bad else len(builds) - 1
+    if good >= bad:
+        raise SystemExit(f"bisect: --good {builds[good]} must be older than --bad {builds[bad]}")
     series = builds[good : bad + 1]
     started = time.perf_counter()
     record: dict[str, Any] = {
