@@ -44,7 +44,7 @@ def render() -> str:
             f"- why: {unit.why}",
             f"- vLLM change: {unit.vllm_change}"
             + (
-                f"; first seen in nightly {unit.first_seen_nightly} (tools/matrix.py bisect)"
+                f"; first seen in nightly {unit.first_seen_nightly}, by tools/matrix.py bisect"
                 if unit.first_seen_nightly
                 else ""
             ),
