@@ -3,8 +3,11 @@
     python3 tools/preflight_compare.py docs/matrix /tmp/after     # records of the same labels, two commits
 
 For every label in both folders and every speculators version in both records: the verdict, the
-active adapters and the failed checks must be the same. Prints one line per difference and a
-summary; exits 1 if anything differs (a label or version in one folder only is listed, not failed).
+active adapters and the failed checks must be the same, and so must the environment the two
+preflights saw (the records' resolved package versions, spec-compat's own aside): a preflight of
+another transformers or torch proves nothing about the refactor. Prints one line per difference
+and a summary; exits 1 if anything differs (a label or version in one folder only is listed, not
+failed). ``tools/preflight_before_after.sh`` makes the two folders.
 """
 
 from __future__ import annotations
@@ -30,10 +33,22 @@ def facts(preflight: dict[str, Any]) -> dict[str, Any]:
     return {"verdict": preflight.get("verdict"), "active": active, "failed": failed}
 
 
+def environment(record: dict[str, Any]) -> dict[str, Any]:
+    """The package versions a record's preflights ran with, less spec-compat (the thing compared); a
+    package not installed counts as absent (newer records also list the names they did not find)."""
+    versions = record.get("versions", {}).items()
+    return {name: version for name, version in versions if name != "spec-compat" and version is not None}
+
+
 def compare(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> tuple[list[str], int]:
     differences: list[str] = []
     compared = 0
     for label in sorted(set(before) & set(after)):
+        if environment(before[label]) != environment(after[label]):
+            differences.append(
+                f"{label}: environments differ: {environment(before[label])} -> {environment(after[label])}"
+            )
+            continue
         old, new = before[label].get("preflight", {}), after[label].get("preflight", {})
         for version in sorted(set(old) & set(new)):
             compared += 1
