@@ -1,5 +1,6 @@
 """``spec-compat extract --replicas N`` on a local Ray with real vLLM: the files of a single-process
-run (same bytes), HF's hidden states, replicas whose vLLM worker is killed, an interrupted job."""
+run (same bytes), HF's hidden states in --format speculators-hs, replicas whose vLLM worker is killed,
+an interrupted job."""
 
 from __future__ import annotations
 
@@ -108,16 +109,30 @@ def reference(engine_cells: CellPool) -> tuple[Path, Path]:
 
 
 @pytest.mark.reads(SINGLE)
-def test_two_replicas_write_the_single_process_files_and_hf_states(
+def test_two_replicas_write_speculators_hs_with_the_single_process_states_and_hf_states(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """--format speculators-hs through two replicas: the dataset lists every line, each hs file holds the
+    single-process speculators-v1 run's tokens and states (the same threads and batches: bitwise), and
+    those are HF's. The other tests here check the replicas' speculators-v1 files byte for byte."""
+    import datasets
+    from safetensors.torch import load_file
+
     data, single = reference
     out = tmp_path / "replicas"
-    proc = _run(_command(data, out, "--replicas", "2"))
+    proc = _run(_command(data, out, "--replicas", "2", "--format", "speculators-hs"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"0 done, {SAMPLES} to do" in proc.stderr and "Traceback" not in proc.stderr
-    _exactly_once(out, single)
+    listed = _listed(out)
+    assert sorted(map(int, listed)) == list(range(SAMPLES))
+    rows = {int(k): int(Path(str(v["file"])).stem.removeprefix("hs_")) for k, v in listed.items()}
+    assert rows == {idx: idx for idx in range(SAMPLES)}  # no blank line: row = line number
+    assert sorted(p.name for p in (out / "hidden_states").glob("hs_*.safetensors")) == sorted(
+        f"hs_{i}.safetensors" for i in range(SAMPLES)
+    )
+    assert not list(out.glob("data_*.pt"))
     manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["provenance"]["format"] == "speculators-hs"
     assert "request-kwargs" in manifest["provenance"]["adapters_applied"]  # applied in the replicas
     assert manifest["runs"][-1]["replicas"] == 2
     stats = json.loads((out / "extract_stats.json").read_text())
@@ -127,13 +142,22 @@ def test_two_replicas_write_the_single_process_files_and_hf_states(
         proc.stderr
     )
     lines = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
-    files = {int(k): torch.load(out / v["file"], weights_only=True) for k, v in manifest["samples"].items()}
+    index = datasets.load_from_disk(str(out)).with_format(None)  # saved in torch format; compare as lists
+    assert index["input_ids"] == lines and index["seq_len"] == [len(ids) for ids in lines]
+    order = sorted(range(len(LAYERS)), key=LAYERS.__getitem__)  # an hs file's layers: ascending ids
     want = hf_layer_outputs(model_dir("dense"), lines, LAYERS)
-    for idx, sample in files.items():
-        assert sample["input_ids"].tolist() == lines[idx]
-        assert sample["loss_mask"].tolist() == [1] * len(lines[idx])
-        for got, expected in zip(sample["hidden_states"], want[idx], strict=True):
-            assert torch.allclose(got, expected, atol=2e-3, rtol=1e-3), (idx, float((got - expected).abs().max()))
+    for idx in range(SAMPLES):
+        saved = load_file(str(out / "hidden_states" / f"hs_{idx}.safetensors"))
+        v1 = torch.load(single / f"data_{idx}.pt", weights_only=True)
+        assert saved["token_ids"].tolist() == lines[idx] == v1["input_ids"].tolist()
+        assert saved["hidden_states"].shape == (len(lines[idx]), len(LAYERS), v1["hidden_states"][0].shape[-1])
+        for position, k in enumerate(order):
+            got = saved["hidden_states"][:, position]
+            assert torch.equal(got, v1["hidden_states"][k]), (idx, LAYERS[k])
+            assert torch.allclose(got, want[idx][k], atol=2e-3, rtol=1e-3), (
+                idx,
+                float((got - want[idx][k]).abs().max()),
+            )
 
 
 def _watch(proc: subprocess.Popen[str], log: Path, until: float) -> str:

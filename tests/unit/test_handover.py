@@ -229,3 +229,29 @@ def test_prefetch_makes_the_next_segment_before_a_reply_needs_it(directory: str)
     pool.close()
     on_demand.close()
     assert not [name for name in os.listdir(directory) if name.startswith(("w-", "o-"))]
+
+
+def test_a_segment_being_made_in_the_background_is_in_the_directory_from_the_decision_on(
+    directory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetch's file is created when the pool decides to make it, not when the background thread
+    gets to it: a listing of the transfer directory (what the engine cells compare between calls) sees
+    every segment the pool has decided on, however late the thread runs."""
+    stalled, proceed = threading.Event(), threading.Event()
+    real_segment = transfer.Segment
+
+    def segment(path: str, size: int, pin: bool, fd: int | None = None) -> transfer.Segment:
+        if threading.current_thread() is not threading.main_thread():  # the background one: held back
+            stalled.set()
+            proceed.wait(10)
+        return real_segment(path, size, pin, fd)
+
+    monkeypatch.setattr(transfer, "Segment", segment)
+    pool = transfer.SegmentPool(directory, "p", prefetch=True)
+    pool.acquire(1 << 16, pin=False)  # made on demand; no other fits a reply this large: one in the background
+    assert stalled.wait(10), "no segment was started in the background"
+    names = sorted(name for name in os.listdir(directory) if name.startswith("p-"))
+    proceed.set()
+    assert names == ["p-0", "p-1"], names
+    pool.close()
+    assert pool.prefetched == 1 and not [name for name in os.listdir(directory) if name.startswith("p-")]

@@ -225,13 +225,19 @@ def _unpin(host: Any) -> None:
         _clear_cuda_error()
 
 
-class Segment:
-    """One segment file, mapped in the worker (and pinned for CUDA copies when ``pin``)."""
+def create_file(path: str) -> int:
+    """A new, empty segment file (never an existing one), open for reading and writing."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
-    def __init__(self, path: str, size: int, pin: bool) -> None:
+
+class Segment:
+    """One segment file, mapped in the worker (and pinned for CUDA copies when ``pin``); ``fd``: the
+    file already created by ``create_file`` (a segment made in the background), else created here."""
+
+    def __init__(self, path: str, size: int, pin: bool, fd: int | None = None) -> None:
         import torch
 
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_file(path) if fd is None else fd
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here (ENOSPC), not as SIGBUS later
@@ -362,9 +368,15 @@ class SegmentPool:
             return
         size = _round_up(largest + largest // 8, SIZE_STEP)
         path = os.path.join(self.directory, f"{self.name}-{next(self._numbers)}")
+        try:
+            # the file now, the rest (fallocate, populate, pin) in the background: the transfer directory
+            # shows every segment the pool has decided to make from the moment it decides
+            fd = create_file(path)
+        except OSError:
+            return  # the reply that needs it makes its own (and says why if it cannot)
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-compat-segment")
-        self._prefetching = self._prefetcher.submit(Segment, path, size, pin)
+        self._prefetching = self._prefetcher.submit(Segment, path, size, pin, fd)
 
     def _adopt_prefetched(self, wait: bool) -> Segment | None:
         """The background segment, once made (``wait``: until then), added to the pool; None if none
