@@ -67,6 +67,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -80,9 +81,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PATHS = ("shim", "native", "llm_eager", "extract", "llm_default", "shim_without", "extract_shm")
+PATHS = ("shim", "native", "llm_eager", "extract", "llm_default", "shim_without", "extract_shm", "native_disk")
 EXTRACT_PATHS = ("extract", "extract_shm")  # extract_shm: the same, its output in /dev/shm (native's storage)
 DEFAULT_PATHS = PATHS[:5]  # shim_without (the shim with --shim-disable's adapters left out) only when asked
+# native_disk: native writing to extract's disk (the work folder), every file fsync'd before the call ends,
+# as extract's are: the same durability on the same disk (native alone writes to /dev/shm, never fsync'd)
+NATIVE_PATHS = ("native", "native_disk")
 REQUIRED_KEYS = ("shim_vs_native", "extract_vs_native", "shim_vs_llm_eager", "overhead_fraction")
 TARGETS = {
     "shim_vs_native": (">=", 0.8),
@@ -92,11 +96,11 @@ TARGETS = {
 # Seconds a path is assumed to take (engine start + calls) until it has been measured in this run.
 PRIOR_S = {
     "shim": 70.0, "native": 60.0, "llm_eager": 50.0, "extract": 80.0, "llm_default": 90.0, "shim_without": 70.0,
-    "extract_shm": 80.0,
+    "extract_shm": 80.0, "native_disk": 60.0,
 }  # fmt: skip
 SMOKE_PRIOR_S = {
     "shim": 30.0, "native": 30.0, "llm_eager": 30.0, "extract": 40.0, "llm_default": 50.0, "shim_without": 30.0,
-    "extract_shm": 40.0,
+    "extract_shm": 40.0, "native_disk": 30.0,
 }  # fmt: skip
 MARKER = "gpu_bench_model.json"
 
@@ -370,6 +374,7 @@ class Bench:
         self.priors = SMOKE_PRIOR_S if self.smoke else PRIOR_S
         self.commit = git_commit()
         self.disk: dict[str, Any] | None = None  # the extract output's disk, measured once (disk_write.py)
+        self.variants: dict[str, str] = args.variants  # label -> the path it runs (--variant)
 
     def remaining(self) -> float:
         return float(self.args.budget_s) - (time.perf_counter() - self.started)
@@ -422,16 +427,19 @@ class Bench:
     def run_path(self, kind: str, name: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
         stem = f"{kind}_r{round_}_{name}"
         log = self.logs / f"{stem}.log"
-        if name in EXTRACT_PATHS:
-            return self.run_extracts(kind, name, spec, round_, timeout)
+        base = self.variants.get(name, name)  # a --variant runs its base path with its own env / extract args
+        env = {**self.env, **self.args.variant_env.get(name, {})}
+        if base in EXTRACT_PATHS:
+            return {"base": base, **self.run_extracts(kind, name, base, spec, round_, timeout, env)}
         spec_file = self.work / f"{stem}.spec.json"
         out_file = self.work / f"{stem}.out.json"
-        env = self.env
-        if name in ("shim", "shim_without") and round_ == 0:
+        if base in ("shim", "shim_without") and round_ == 0:
             spec = {**spec, "rss_calls": self.args.rss_calls}
-        if name == "shim_without":  # the same shim process with some adapters left out: an A/B in one run
-            env = {**self.env, "SPEC_COMPAT_DISABLE": self.args.shim_disable}
-            name = "shim"
+        if base == "shim_without":  # the same shim process with some adapters left out: an A/B in one run
+            env = {**env, "SPEC_COMPAT_DISABLE": self.args.shim_disable}
+        if base == "native_disk":  # extract's disk and durability: the work folder, every file fsync'd
+            spec = {**spec, "native_storage": str(self.work / "sc_native_hs_disk"), "native_fsync": True}
+        name = {"shim_without": "shim", "native_disk": "native"}.get(base, base)
         spec_file.write_text(json.dumps(spec))
         out_file.unlink(missing_ok=True)
         command = [sys.executable, str(Path(__file__).resolve()), "--path", name, str(spec_file), str(out_file)]
@@ -441,7 +449,7 @@ class Bench:
             return {**record, "status": "timeout", "timeout_s": timeout, "error": last_error_line(log)}
         if code != 0 or not out_file.exists():
             return {**record, "status": "failed", "exit": code, "error": last_error_line(log)}
-        return {**record, "status": "ok", **json.loads(out_file.read_text())}
+        return {**record, "base": base, "status": "ok", **json.loads(out_file.read_text())}
 
     def extract_root(self, name: str) -> Path:
         if name == "extract_shm":
@@ -466,22 +474,32 @@ class Bench:
             print(f"   disk under {root}: {self.disk}", flush=True)
         return self.disk
 
-    def run_extracts(self, kind: str, name: str, spec: dict[str, Any], round_: int, timeout: float) -> dict[str, Any]:
+    def run_extracts(
+        self, kind: str, name: str, base: str, spec: dict[str, Any], round_: int, timeout: float, env: dict[str, str]
+    ) -> dict[str, Any]:
         """``spec-compat extract`` once per set (each its own process and engine)."""
-        root = self.extract_root(name)
-        disk = self.measure_disk(root) if name == "extract" else None
+        root = self.extract_root(base)
+        disk = self.measure_disk(root) if base == "extract" else None
+        extract_args = self.args.variant_args.get(name, self.args.extract_args)
         started = time.perf_counter()
         sets: dict[str, Any] = {}
         for entry in spec["sets"]:
             left = timeout - (time.perf_counter() - started)
             log = self.logs / f"{kind}_r{round_}_{name}_{entry['name']}.log"
-            sets[entry["name"]] = {**self.run_extract(spec, entry, log, left, root), "disk": disk}
+            sets[entry["name"]] = {**self.run_extract(spec, entry, log, left, root, extract_args, env), "disk": disk}
         statuses = {r["status"] for r in sets.values()}
         status = "ok" if statuses == {"ok"} else ("failed" if "ok" not in statuses else "partial")
         return {"status": status, "wall_s": time.perf_counter() - started, "sets": sets}
 
     def run_extract(
-        self, spec: dict[str, Any], entry: dict[str, Any], log: Path, timeout: float, root: Path
+        self,
+        spec: dict[str, Any],
+        entry: dict[str, Any],
+        log: Path,
+        timeout: float,
+        root: Path,
+        extract_args: str,
+        env: dict[str, str],
     ) -> dict[str, Any]:
         prompts = json.loads(Path(entry["prompts_file"]).read_text())
         data = self.work / "extract_input.jsonl"
@@ -490,19 +508,20 @@ class Bench:
         output = root / "sc_extract_out"
         shutil.rmtree(output, ignore_errors=True)
         command = [sys.executable, "-m", "spec_compat.cli", "extract", "--model", spec["model"], "--input", str(data)]
-        layer_ids = extract_layer_ids(spec, self.args.extract_args)
+        layer_ids = extract_layer_ids(spec, extract_args)
         command += ["--output", str(output), "--layer-ids", ",".join(str(x) for x in layer_ids)]
         command += ["--max-model-len", str(spec["max_model_len"]), "--batch-size", str(len(prompts))]
         command += ["--dtype", spec["dtype"], "--gpu-memory-utilization", str(spec["gpu_memory_utilization"])]
-        command += shlex.split(self.args.extract_args)
+        command += shlex.split(extract_args)
         if timeout < 5:
             return {"status": "not-run", "reason": "no time left in the path's timeout"}
-        code, wall = run_process(command, self.env, timeout, log)
+        code, wall = run_process(command, env, timeout, log)
         tokens = repeat * sum(min(len(p), spec["max_model_len"] - 1) for p in prompts)
         record: dict[str, Any] = {
             "wall_s": wall,
             "log": str(log.relative_to(self.args.out)),
             "command": shlex.join(command),
+            "env": {k: v for k, v in env.items() if k not in self.env or self.env[k] != v},
             "samples": repeat * len(prompts),
             "output_bytes": sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else 0,
             "output_files": listed_samples(output),  # either --format: the samples its manifest lists
@@ -546,7 +565,8 @@ class Bench:
         section["params"] = build.get("params")
         if build.get("exit") != 0:
             section["paths"] = {
-                name: {"runs": [], "status": "not-run", "reason": "model build failed"} for name in PATHS
+                name: {"runs": [], "status": "not-run", "reason": "model build failed"}
+                for name in (*PATHS, *self.variants)
             }
             return
         print(f"   {build['params'] / 1e9:.3f}B parameters, {build['build_s']:.0f} s (reused: {build['reused']})")
@@ -572,11 +592,12 @@ class Bench:
         section["engine_max_model_len"] = spec["max_model_len"]
         section["native_layer_ids"] = spec["native_layer_ids"]
         section["native_storage"] = spec["native_storage"]
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PATHS}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*PATHS, *self.variants)}
         for round_ in range(self.args.rounds):
             for name in self.args.paths:
                 measured = [r["wall_s"] for r in runs[name] if r.get("status") == "ok"]
-                estimate = max(measured) if measured else self.priors[name] * (1 + 0.25 * (len(sets) - 1))
+                prior = self.priors[self.variants.get(name, name)]
+                estimate = max(measured) if measured else prior * (1 + 0.25 * (len(sets) - 1))
                 left = self.remaining()
                 if left < estimate:
                     reason = f"{left:.0f} s of budget left, {'measured' if measured else 'assumed'} {estimate:.0f} s"
@@ -623,7 +644,9 @@ def summarize_paths(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
     out: dict[str, dict[str, Any]] = {}
     for name, records in runs.items():
         ok = [r for r in records if r.get("status") in ("ok", "partial")]
+        base = next((r["base"] for r in records if r.get("base")), name)  # a --variant's path
         entry: dict[str, Any] = {
+            "base": base,
             "status": "ok" if ok else (records[-1].get("status", "not-run") if records else "not-run"),
             "runs": records,
             "engine_start_s": median_or_none([r["engine_start_s"] for r in ok if r.get("engine_start_s") is not None]),
@@ -637,16 +660,16 @@ def summarize_paths(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
                 "tokens_per_s_median": median_or_none(rates),
                 "calls": len(rates),
             }
-            if name in ("shim", "shim_without"):
+            if base in ("shim", "shim_without"):
                 fractions = [float(x) for d in done for x in d["overhead"].get("overhead_fractions", [])]
                 summary["overhead_fraction"] = median_or_none(fractions)
                 summary["digests"] = sorted({x for d in done for x in d.get("digests", [])})
                 summary["where_time_goes"] = where_time_goes(done)
                 summary["memory_per_call"] = [m for d in done for m in d.get("memory_per_call", [])]
-            if name in EXTRACT_PATHS and done:  # one process per set and round: the first ok one's details
+            if base in EXTRACT_PATHS and done:  # one process per set and round: the first ok one's details
                 for key in ("tokens", "output_bytes", "disk", "stats"):
                     summary[key] = done[0].get(key)
-            if name == "native":
+            if base in NATIVE_PATHS:
                 summary["tokens_per_s_return_median"] = median_or_none([d["tokens_per_s_return_median"] for d in done])
                 summary["vs_shim_prompt0"] = next(
                     (d["vs_shim_prompt0"] for d in done if d.get("vs_shim_prompt0")), None
@@ -702,6 +725,9 @@ def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], co
         out[name] = {
             "shim_vs_native": ratio(med("shim", name), med("native", name)),
             "extract_vs_native": ratio(med("extract", name), med("native", name)),
+            # both on the same disk, both fsync'd before the call ends (native_disk: native's files fsync'd)
+            "extract_vs_native_disk": ratio(med("extract", name), med("native_disk", name)),
+            "native_disk_vs_native": ratio(med("native_disk", name), med("native", name)),
             # the same extract writing to /dev/shm, where native writes: the storage taken out
             "extract_shm_vs_native": ratio(med("extract_shm", name), med("native", name)),
             # what the disk allows: its fsync'd write speed (8 threads) / the bytes extract wrote per token
@@ -714,7 +740,18 @@ def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], co
             "shim_vs_shim_without": ratio(med("shim", name), med("shim_without", name)),
             "shim_vs_llm_eager": ratio(med("shim", name), med("llm_eager", name)),
             "shim_vs_native_return": ratio(med("shim", name), med("native", name, "tokens_per_s_return_median")),
-            "tokens_per_s": {path: med(path, name) for path in PATHS if med(path, name) is not None},
+            "tokens_per_s": {path: med(path, name) for path in paths if med(path, name) is not None},
+            # each --variant against native and against the path it varies (same invocation)
+            "variants": {
+                label: {
+                    "base": entry["base"],
+                    "vs_native": ratio(med(label, name), med("native", name)),
+                    "vs_native_disk": ratio(med(label, name), med("native_disk", name)),
+                    "vs_base": ratio(med(label, name), med(entry["base"], name)),
+                }
+                for label, entry in paths.items()
+                if entry.get("base", label) != label and med(label, name) is not None
+            },
             "where_time_goes": shim.get("where_time_goes"),
             "commit": commit,
         }
@@ -731,7 +768,7 @@ def disk_bound(paths: dict[str, dict[str, Any]], set_name: str) -> float | None:
     tokens, nbytes = record.get("tokens"), record.get("output_bytes")
     if not gb_per_s or not tokens or not nbytes:
         return None
-    return gb_per_s * 1e9 / (nbytes / tokens)
+    return float(gb_per_s * 1e9 / (nbytes / tokens))
 
 
 def top_level(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -778,12 +815,16 @@ def device_of(per_model: dict[str, dict[str, Any]]) -> str | None:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nGPU benchmark: {result.get('gpu')}; versions {result.get('versions')}")
-    head = f"{'model':6s} {'set':9s} " + " ".join(f"{p:>12s}" for p in PATHS)
+    shown = sorted(
+        {p for s in result["per_model"].values() for e in s.get("prompt_sets", {}).values() for p in e["tokens_per_s"]},
+        key=lambda p: (PATHS.index(p) if p in PATHS else len(PATHS), p),
+    )
+    head = f"{'model':6s} {'set':9s} " + " ".join(f"{p:>12s}" for p in shown)
     print(head + f" {'shim/nat':>9s} {'extr/nat':>9s} {'shm/nat':>8s} {'ex/disk':>8s} {'own':>6s} {'bitwise':>8s}")
     for kind, section in result["per_model"].items():
         for name, entry in section.get("prompt_sets", {}).items():
             rates = entry.get("tokens_per_s", {})
-            cells = " ".join(f"{rates[p]:>12,.0f}" if p in rates else f"{'-':>12s}" for p in PATHS)
+            cells = " ".join(f"{rates[p]:>12,.0f}" if p in rates else f"{'-':>12s}" for p in shown)
             equal = entry.get("bitwise_equal")
             print(
                 f"{kind:6s} {name:9s} {cells} {fmt(entry.get('shim_vs_native')):>9s} "
@@ -817,7 +858,8 @@ def merge(files: list[Path], write: Path) -> int:
             for name, entry in section.get("paths", {}).items():
                 runs.setdefault(name, []).extend(r for r in entry.get("runs", []) if r.get("status") != "not-run")
             merged["paths"] = summarize_paths(runs)
-            commit = next(iter(merged.get("prompt_sets", {}).values()), {}).get("commit")
+            first_set: dict[str, Any] = next(iter(merged.get("prompt_sets", {}).values()), {})
+            commit = first_set.get("commit")
             merged["prompt_sets"] = prompt_set_ratios(merged["paths"], list(merged.get("prompt_sets", {})), commit)
             merged.setdefault("merged_from", []).append(section.get("model", kind))
     result: dict[str, Any] = {**top_level(per_model), "per_model": per_model}
@@ -837,6 +879,30 @@ def merge(files: list[Path], write: Path) -> int:
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
+
+
+def parse_variants(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[str, str]]:
+    """--variant LABEL=PATH, --variant-env LABEL:KEY=VALUE, --variant-args LABEL:ARGS, checked."""
+    variants: dict[str, str] = {}
+    for item in args.variant:
+        label, _, base = item.partition("=")
+        if not re.fullmatch(r"[a-z0-9_]+", label) or label in PATHS or base not in PATHS:
+            raise ValueError(f"--variant {item!r}: want LABEL=PATH, LABEL new ([a-z0-9_]), PATH one of {PATHS}")
+        variants[label] = base
+    env: dict[str, dict[str, str]] = {}
+    for item in args.variant_env:
+        label, _, pair = item.partition(":")
+        key, sep, value = pair.partition("=")
+        if label not in variants or not sep or not key:
+            raise ValueError(f"--variant-env {item!r}: want LABEL:KEY=VALUE for a --variant LABEL")
+        env.setdefault(label, {})[key] = value
+    extract_args: dict[str, str] = {}
+    for item in args.variant_args:
+        label, _, value = item.partition(":")
+        if variants.get(label) not in EXTRACT_PATHS:
+            raise ValueError(f"--variant-args {item!r}: LABEL must be a --variant of {EXTRACT_PATHS}")
+        extract_args[label] = value
+    return variants, env, extract_args
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -871,6 +937,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--extract-output", type=Path, default=None, help="where spec-compat extract writes (default: the work folder)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="one more path: PATH run again under LABEL, with --variant-env / --variant-args (an A/B in one run)",
+    )
+    parser.add_argument(
+        "--variant-env", action="append", default=[], metavar="LABEL:KEY=VALUE", help="environment of one variant"
+    )
+    parser.add_argument(
+        "--variant-args", action="append", default=[], metavar="LABEL:ARGS", help="an extract variant's --extract-args"
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model, a few prompts, on CPU: plumbing only")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine gpu_<models>.json files ...")
     parser.add_argument("--write", type=Path, default=HERE / "results" / "gpu_latest.json", help="... into this file")
@@ -885,7 +964,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.prompt_sets = [p.strip() for p in args.prompt_sets.split(",") if p.strip()]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    unknown = sorted(set(args.paths) - set(PATHS)) + sorted(set(args.models) - set(LAYER_IDS))
+    try:
+        args.variants, args.variant_env, args.variant_args = parse_variants(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    unknown = sorted(set(args.paths) - set(PATHS) - set(args.variants)) + sorted(set(args.models) - set(LAYER_IDS))
     unknown += sorted(set(args.prompt_sets) - set(PROMPT_SETS))
     if unknown:
         parser.error(f"unknown paths or models {unknown}")
@@ -918,7 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_sets": {name: dataclasses.asdict(PROMPT_SETS[name]) for name in args.prompt_sets},
         "settings": {k: getattr(args, k) for k in ("rounds", "reps", "budget_s", "path_timeout_s", "max_model_len",
                                                     "dtype", "paths", "extract_repeat", "extract_args", "speculators",
-                                                    "shim_disable", "digest", "rss_calls")},
+                                                    "shim_disable", "digest", "rss_calls", "variants",
+                                                    "variant_env", "variant_args")},
         "extract_output": str(args.extract_output) if args.extract_output else None,
         "per_model": {},
     }  # fmt: skip

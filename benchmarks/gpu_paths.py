@@ -11,6 +11,7 @@ llm_default  the same with CUDA graphs and torch.compile (vLLM's defaults).
 native       vLLM's own ``extract_hidden_states`` speculative method with ``ExampleHiddenStatesConnector``
              writing the same layers as safetensors files; a call ends when every file is written (the
              connector's per-file ``.lock`` is released), ``return_s`` is when ``generate()`` returned.
+native_disk  (gpu.py) the same with its files on extract's disk, each fsync'd before the call ends.
 
 The ``extract`` path is the ``spec-compat extract`` CLI itself, started by ``gpu.py`` directly.
 Only imports from the standard library at module level: vLLM's spawned workers import ``__main__``.
@@ -266,6 +267,30 @@ def wait_written(outputs: list[Any]) -> list[str]:
     return files
 
 
+def fsync_all(files: list[str], threads: int = 8) -> None:
+    """Every file and its folder on the disk, on ``threads`` threads as extract's 8 writers fsync
+    theirs: the ``native_disk`` path ends when its files are as durable as extract's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, files))
+        list(pool.map(one, sorted({os.path.dirname(f) for f in files})))
+
+
+def written_and_durable(outputs: list[Any], spec: Spec) -> list[str]:
+    files = wait_written(outputs)
+    if spec.get("native_fsync"):
+        fsync_all(files)
+    return files
+
+
 def wipe(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory, exist_ok=True)
@@ -366,7 +391,7 @@ def native_set(llm: Any, spec: Spec, entry: Spec) -> Record:
     wipe(storage)
     sync()
     started = time.perf_counter()
-    files = wait_written(llm.generate(requests, params, use_tqdm=False))
+    files = written_and_durable(llm.generate(requests, params, use_tqdm=False), spec)
     sync()
     warmup_s = time.perf_counter() - started
     reference = entry.get("reference")
@@ -382,7 +407,7 @@ def native_set(llm: Any, spec: Spec, entry: Spec) -> Record:
         started = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
         returned.append(time.perf_counter() - started)
-        files = wait_written(outputs)
+        files = written_and_durable(outputs, spec)
         sync()
         seconds.append(time.perf_counter() - started)
         written.append(sum(os.path.getsize(f) for f in files))
@@ -418,6 +443,7 @@ def run_native(spec: Spec) -> Record:
         },
         "sets": sets,
         "storage": spec["native_storage"],
+        "fsync": bool(spec.get("native_fsync")),
         "native_layer_ids": spec["native_layer_ids"],
         "device": device_name(),
     }
