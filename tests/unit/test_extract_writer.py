@@ -232,3 +232,62 @@ def test_writer_threads_run_nicer_than_the_engine_loop(
     assert writer.nice == int(nice)
     loaded = torch.load(tmp_path / "data_3.pt")
     assert torch.equal(loaded["hidden_states"][0], torch.full((4, 8), 3.0))
+
+
+@pytest.mark.parametrize(("early", "sync", "kicked"), [("1", True, True), ("0", True, False), ("1", False, False)])
+def test_a_synced_file_is_handed_to_the_disk_before_it_is_read_back_for_its_sha256(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: str, sync: bool, kicked: bool
+) -> None:
+    """With fsync on (and SPEC_COMPAT_EARLY_WRITEBACK not "0"), the whole written file is handed to
+    sync_file_range(SYNC_FILE_RANGE_WRITE) before the read-back; the file and its sha256 are the same."""
+    from spec_compat.extract import files
+
+    monkeypatch.setenv("SPEC_COMPAT_EARLY_WRITEBACK", early)
+    handed: list[tuple[int, int, int, int]] = []
+
+    def recording_sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        handed.append((os.fstat(fd).st_size, offset, nbytes, flags))
+        return 0
+
+    monkeypatch.setattr(files, "_sync_file_range", recording_sync_file_range)
+    reads: list[int] = []
+    real_sha256 = hashlib.sha256
+
+    class NotingSha256:
+        """hashlib's sha256, noting at each update how many files had been handed to the disk."""
+
+        def __init__(self) -> None:
+            self.real = real_sha256()
+
+        def update(self, data: Any) -> None:
+            reads.append(len(handed))
+            self.real.update(data)
+
+        def hexdigest(self) -> str:
+            return self.real.hexdigest()
+
+    def sha256_noting_when() -> NotingSha256:
+        return NotingSha256()
+
+    monkeypatch.setattr(files.hashlib, "sha256", sha256_noting_when)
+    payload = _payload(64, 2.0)
+    name, _, digest = extract.write_sample(tmp_path, 5, payload, sync=sync)
+    monkeypatch.undo()
+    size = (tmp_path / name).stat().st_size
+    assert handed == ([(size, 0, 0, 2)] if kicked else [])
+    assert reads and set(reads) == {len(handed)}, "handed to the disk before the read-back began"
+    assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest
+    assert torch.equal(torch.load(tmp_path / name)["hidden_states"][0], payload["hidden_states"][0])
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="sync_file_range: Linux")
+def test_libcs_sync_file_range_is_found_and_takes_a_written_file(tmp_path: Path) -> None:
+    from spec_compat.extract import files
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert files.start_writeback(fd)
+    finally:
+        os.close(fd)
