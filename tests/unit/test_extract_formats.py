@@ -77,6 +77,19 @@ def test_fp8_restores_within_its_recorded_error_and_the_figures_are_not_zero() -
     assert all(0 < x < 0.05 for x in summary["mean_rel"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_quantizing_leaves_the_callers_states_as_they_were(dtype: torch.dtype) -> None:
+    """The quantizer divides a float32 copy in place: never the payload's own tensors (a float32
+    layer's ``.float()`` would be the layer itself), and the result is the same from either dtype."""
+    layers = [h.to(dtype) for h in _states(40)]
+    before = [h.clone() for h in layers]
+    quantized, scale, _ = quantize_layers(layers)
+    assert all(torch.equal(h, b) for h, b in zip(layers, before, strict=True))
+    expected, expected_scale, _ = quantize_layers(_states(40))
+    assert torch.equal(scale, expected_scale)
+    assert all(torch.equal(q.view(torch.uint8), e.view(torch.uint8)) for q, e in zip(quantized, expected, strict=True))
+
+
 def test_fp8_is_hs_connectors_own_scheme_bit_for_bit() -> None:
     reader = os.environ.get(READER_ENV)
     source = Path(reader or "/nonexistent") / "hs_connectors" / "fp8_utils.py"
