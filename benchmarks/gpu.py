@@ -18,8 +18,8 @@ copies into pinned memory, which needs CUDA; about 2.5 minutes on 2 cores):
     $SPEC_COMPAT_VENV/bin/python benchmarks/gpu.py --cpu-smoke --out /tmp/gpu_smoke
 
 ``--speculators 0.3.0`` measures the other speculators release; ``--paths`` picks and orders the paths;
-``--extract-args "..."`` passes extra flags to ``spec-compat extract`` (after ours: ``"--batch-size 96"``
-overrides the default of one batch per 48 prompts). Outside a git checkout (the device
+``--extract-args "..."`` passes extra flags to ``spec-compat extract`` (after ours: ``"--batch-size 64"``;
+by default extract plans its own batches, as for a user). Outside a git checkout (the device
 copy) the spec_compat commit recorded is ``$SPEC_COMPAT_COMMIT``.
 
 Models (bf16, random weights, built on the GPU under ``--work-dir`` and reused): ``dense`` a Qwen3 with
@@ -510,7 +510,8 @@ class Bench:
         command = [sys.executable, "-m", "spec_compat.cli", "extract", "--model", spec["model"], "--input", str(data)]
         layer_ids = extract_layer_ids(spec, extract_args)
         command += ["--output", str(output), "--layer-ids", ",".join(str(x) for x in layer_ids)]
-        command += ["--max-model-len", str(spec["max_model_len"]), "--batch-size", str(len(prompts))]
+        # extract's own batch plan, as a user runs it (--batch-size N in --extract-args to choose)
+        command += ["--max-model-len", str(spec["max_model_len"])]
         command += ["--dtype", spec["dtype"], "--gpu-memory-utilization", str(spec["gpu_memory_utilization"])]
         command += shlex.split(extract_args)
         if timeout < 5:

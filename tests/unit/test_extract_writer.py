@@ -22,6 +22,23 @@ def test_plan_batches_by_samples_and_tokens() -> None:
     assert extract.plan_batches([], max_samples=4, max_tokens=10) == []
 
 
+def test_plan_batches_cut_to_whole_parts_of_the_running_slots() -> None:
+    """A batch of more samples than the generator's running slots holds a whole number of slot-sized
+    parts (each part is an engine run of its own): never a short tail part inside a batch."""
+    # 35 fit the token limit: the batch takes 32 (one whole part), the rest start the next one
+    assert extract.plan_batches([10] * 40, max_samples=64, max_tokens=350, slots=32) == [(0, 32), (32, 40)]
+    # 64 asked for and fitting: two whole parts
+    assert extract.plan_batches([1] * 70, max_samples=64, max_tokens=10**6, slots=32) == [(0, 64), (64, 70)]
+    # at most the slots: the token limit decides as before
+    assert extract.plan_batches([10] * 7, max_samples=3, max_tokens=1000, slots=32) == [(0, 3), (3, 6), (6, 7)]
+    assert extract.plan_batches([400, 400, 400, 50], max_samples=32, max_tokens=1000, slots=32) == [(0, 2), (2, 4)]
+    # every sample is planned exactly once, in order
+    lengths = [(i * 37) % 900 + 1 for i in range(500)]
+    batches = extract.plan_batches(lengths, max_samples=100, max_tokens=30000, slots=32)
+    assert [b for a in batches for b in range(*a)] == list(range(500))
+    assert all(end - begin <= 32 or (end - begin) % 32 == 0 for begin, end in batches)
+
+
 def _payload(n: int, value: float) -> dict[str, Any]:
     return {
         "input_ids": torch.arange(n),

@@ -35,18 +35,30 @@ class Progress:
         sys.stderr.write("\n")
 
 
-def plan_batches(lengths: list[int], max_samples: int, max_tokens: int) -> list[tuple[int, int]]:
+def plan_batches(
+    lengths: list[int], max_samples: int, max_tokens: int, slots: int | None = None
+) -> list[tuple[int, int]]:
     """[start, end) runs of consecutive samples: at most ``max_samples`` and ``max_tokens`` each
-    (a single sample longer than ``max_tokens`` is a batch of its own)."""
+    (a single sample longer than ``max_tokens`` is a batch of its own).
+
+    ``slots``: the generator's running slots (its scheduler's max_num_seqs). A call of more samples
+    runs in parts of ``slots`` (adapter sequence-limit), each a whole engine run of its own; a batch
+    of more than ``slots`` samples is cut to a whole number of parts, so no part is a short tail (on
+    an H200, --batch-size 64 with the token limit made batches of ~35 samples: a 32-sample part and a
+    3-sample one per call, and the forward ran 1.25-1.5x slower per token than in whole parts)."""
     batches: list[tuple[int, int]] = []
-    start = tokens = 0
-    for index, length in enumerate(lengths):
-        if index > start and (index - start >= max_samples or tokens + length > max_tokens):
-            batches.append((start, index))
-            start, tokens = index, 0
-        tokens += length
-    if start < len(lengths):
-        batches.append((start, len(lengths)))
+    start = 0
+    while start < len(lengths):
+        end, tokens = start, 0
+        while end < len(lengths) and end - start < max_samples:
+            if end > start and tokens + lengths[end] > max_tokens:
+                break
+            tokens += lengths[end]
+            end += 1
+        if slots and end - start > slots:
+            end = start + (end - start) // slots * slots
+        batches.append((start, end))
+        start = end
     return batches
 
 

@@ -171,10 +171,11 @@ class Job:
             self.manifest.data["provenance"]["adapters_applied"] = info["applied"]
             self.manifest.save(self.config.fsync, rewrite=True)
         lengths = [min(len(s.input_ids), self.limit) for s in self.todo]
-        max_samples = self.config.batch_size or info["max_num_seqs"] or 16
+        slots = info["max_num_seqs"] or None
+        max_samples = self.config.batch_size or slots or 16
         self.queue = deque(
             WorkItem(i, self.todo[begin:end], sum(lengths[begin:end]))
-            for i, (begin, end) in enumerate(plan_batches(lengths, max_samples, self.config.batch_tokens))
+            for i, (begin, end) in enumerate(plan_batches(lengths, max_samples, self.config.batch_tokens, slots))
         )
         self.next_id = len(self.queue)
         self.started = time.perf_counter()

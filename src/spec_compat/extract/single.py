@@ -60,8 +60,8 @@ def run(config: ExtractConfig) -> int:
         save_dtype = formats.state_dtype(config)
         zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
         lengths = [min(len(s.input_ids), limit) for s in todo]
-        max_samples = config.batch_size or int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 16)
-        batches = plan_batches(lengths, max_samples, config.batch_tokens)
+        slots = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 0) or None
+        batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots)
         progress = Progress(len(todo), sum(lengths))
         staging = direct_io_staging(config.output) if config.direct_io else None
         writer = BackgroundWriter(
