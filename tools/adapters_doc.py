@@ -40,6 +40,9 @@ def render() -> str:
         lines.append(f"- side: `{unit.side}` ({SIDES[unit.side]})")
         if str(unit.speculators) != str(SUPPORTED_SPECULATORS):
             lines.append(f"- speculators: `{unit.speculators}` (outside it the adapter is not applied)")
+        # changes the first active build does not date (an older change makes the adapter active)
+        found = (seen.rpartition(": ") for seen in unit.changes_seen_in_nightly)
+        by_source = "; ".join(f"{change} in {build}" for change, _, build in found)
         lines += [
             f"- why: {unit.why}",
             f"- vLLM change: {unit.vllm_change}"
@@ -47,6 +50,11 @@ def render() -> str:
                 f"; first seen in nightly {unit.first_seen_nightly}, by tools/matrix.py bisect"
                 if unit.first_seen_nightly
                 else ""
+            ),
+            *(
+                [f"- first seen in nightly, by its source (tools/matrix.py bisect-source): {by_source}"]
+                if by_source
+                else []
             ),
             f"- detect: {unit.detect}",
             f"- delete when: {unit.delete_when}",

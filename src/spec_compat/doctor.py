@@ -37,6 +37,9 @@ def _with_registry_notes(decision: dict[str, Any]) -> dict[str, Any]:
     notes: dict[str, Any] = {k: str(getattr(adapter, k)) for k in ("how", "why", "vllm_change", "delete_when")}
     if adapter.first_seen_nightly:
         notes["vllm_change"] += f"; first seen in nightly {adapter.first_seen_nightly}"
+    if adapter.changes_seen_in_nightly:  # "<change>: <build>", each dated by the builds' source
+        found = (seen.rpartition(": ") for seen in adapter.changes_seen_in_nightly)
+        notes["vllm_change"] += "; first seen in nightly, by source: " + "; ".join(f"{c} in {b}" for c, _, b in found)
     notes |= {"file": adapter_file(adapter.id), "patches": list(adapter.patches)}
     notes["speculators"] = str(adapter.speculators)
     return {**decision, **notes}

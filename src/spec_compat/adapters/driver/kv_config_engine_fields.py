@@ -66,4 +66,5 @@ KV_CONFIG_ENGINE_FIELDS = Adapter(
     side="driver",
     probe=probe_kv_config_fields,
     apply=apply_kv_config_fields,
+    changes_seen_in_nightly=("0.29.0 kv_cache_layout: 0.27.2.dev202608220641 (2026-08-22)",),
 )

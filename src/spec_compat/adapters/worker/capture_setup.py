@@ -99,4 +99,5 @@ CAPTURE_SETUP = Adapter(
     apply=apply_capture_setup,
     # checks (and aliases the embedding on) the base model that wrapper-base-model's set-up captured from
     after=("wrapper-base-model",),
+    changes_seen_in_nightly=("0.25.1 token-sharded DeepseekV2 layers: 0.24.1.dev202606291104 (2026-06-29)",),
 )

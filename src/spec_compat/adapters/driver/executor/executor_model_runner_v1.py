@@ -52,10 +52,11 @@ EXECUTOR_MODEL_RUNNER_V1 = Adapter(
         "speculators 0.4 reads model_runner.input_batch, which Model Runner V2 lacks; 0.3.0 slices captures in V1 "
         "batch order, V2 sorts the batch by token count (silently wrong)"
     ),
-    vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 for all models",
+    vllm_change="0.22.1 V2 default for Qwen3 on GPU, 0.29.0 V2 default for all models",
     detect="AST: the worker reads input_batch; vllm.envs has VLLM_USE_V2_MODEL_RUNNER",
     delete_when="vLLM drops the V1 runner (then the capture must learn V2's batch order)",
     side="driver",
     probe=probe_v1_model_runner,
     apply=apply_v1_model_runner,
+    changes_seen_in_nightly=("0.29.0 V2 default for all models: 0.28.1.dev202608281259 (2026-08-28)",),
 )
