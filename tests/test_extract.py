@@ -231,34 +231,89 @@ def test_corrupted_file_is_detected_and_redone(full_run: tuple[Path, Path], engi
     assert torch.equal(_load(copy)[3]["hidden_states"][0], _load(out)[3]["hidden_states"][0])  # type: ignore[index]
 
 
-def test_killed_run_resumes_without_losing_work(tmp_path: Path) -> None:
-    data = _dataset(tmp_path / "data.jsonl", 60)
-    out = tmp_path / "resumed"
-    proc = subprocess.Popen(_command(data, out, "--batch-size", "2"), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    done_before = 0
-    while time.monotonic() < deadline:
-        manifest = out / "manifest.json"
-        if manifest.exists():
-            done_before = len(json.loads(manifest.read_text())["samples"])
-            if done_before >= 4:
-                break
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    recorded_at_kill = _recorded_after_a_crash(out)
-    assert 4 <= done_before <= len(recorded_at_kill) < 60, (done_before, len(recorded_at_kill))
-    for key, entry in recorded_at_kill.items():  # listed (manifest or journal) means complete
-        digest = hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest()
-        assert digest == entry["sha256"], f"sample {key} is listed but its file is not complete"
-    kept = {name: (out / entry["file"]).stat().st_mtime_ns for name, entry in recorded_at_kill.items()}
-    resumed = _run(_command(data, out, "--batch-size", "8"))
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"{len(recorded_at_kill)} done, {60 - len(recorded_at_kill)} to do" in resumed.stderr
-    assert sorted(_load(out)) == list(range(60))
-    assert all((out / recorded_at_kill[name]["file"]).stat().st_mtime_ns == mtime for name, mtime in kept.items())
-    assert not list(out.glob("*.tmp"))
+@dataclass(frozen=True)
+class Interrupt:
+    """An extract of 60 samples in batches of 2, stopped once manifest.json lists >= 4 (``how``: "SIGKILL" to
+    its whole process group, or "SIGTERM" / "SIGINT" to extract alone), then extracted again in batches of 8
+    into the same folder. A pool job (one core, beside another one-core job on the other core); it records
+    what the tests assert on, at the moment of the stop and after the rerun."""
+
+    how: str
+    cores = 1
+
+    @property
+    def name(self) -> str:
+        return f"extract-interrupt-{self.how.lower()}"
+
+    def run(self, work: Path, core: str | None) -> dict[str, Any]:
+        core = core or "0"
+        data = _dataset(work / "data.jsonl", 60)
+        out = work / "interrupted"
+        proc = subprocess.Popen(_command(data, out, "--batch-size", "2"), env=_env(core), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 300
+        listed_before = 0
+        while time.monotonic() < deadline:
+            manifest = out / "manifest.json"
+            if manifest.exists():
+                listed_before = len(json.loads(manifest.read_text())["samples"])
+                if listed_before >= 4:
+                    break
+            time.sleep(0.2)
+        sent = time.monotonic()
+        stderr = ""
+        if self.how == "SIGKILL":
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            proc.send_signal(signal.Signals[self.how])
+            try:
+                _, stderr = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        to_exit = time.monotonic() - sent
+        group_gone = process_group_gone(proc.pid)
+        recorded = _recorded_after_a_crash(out)  # manifest.json plus the journal's complete lines
+        incomplete = [key for key, entry in recorded.items() if not _complete(out, entry)]
+        kept = {name: (out / str(entry["file"])).stat().st_mtime_ns for name, entry in recorded.items()}
+        temporary_at_stop = [p.name for p in out.glob("*.tmp")]
+        rerun = _run(_command(data, out, "--batch-size", "8"), core)
+        after = _recorded_after_a_crash(out)
+        return {
+            "listed_before": listed_before, "returncode": proc.returncode, "stderr": stderr, "to_exit": to_exit,
+            "group_gone": group_gone, "recorded": sorted(recorded), "incomplete": incomplete,
+            "temporary_at_stop": temporary_at_stop, "rerun": rerun,
+            "incomplete_after": [key for key, entry in after.items() if not _complete(out, entry)],
+            "samples_after": sorted(map(int, _load(out))) if rerun.returncode == 0 else None,
+            "kept_untouched": all((out / str(recorded[n]["file"])).stat().st_mtime_ns == t for n, t in kept.items()),
+            "temporary_after": [p.name for p in out.glob("*.tmp")],
+        }  # fmt: skip
+
+
+def _complete(out: Path, entry: dict[str, object]) -> bool:
+    return hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest() == entry["sha256"]
+
+
+KILL, SIGTERM, SIGINT = Interrupt("SIGKILL"), Interrupt("SIGTERM"), Interrupt("SIGINT")
+
+
+def _rerun_finished(record: dict[str, Any]) -> None:
+    """The rerun extracted exactly what the stop left undone, and every sample is there and complete."""
+    kept, rerun = len(record["recorded"]), record["rerun"]
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert f"{kept} done, {60 - kept} to do" in rerun.stderr
+    assert record["samples_after"] == list(range(60))
+    assert record["incomplete_after"] == [] and record["temporary_after"] == []
+
+
+@pytest.mark.parametrize("job", [KILL], ids=["sigkill"])
+def test_killed_run_resumes_without_losing_work(job: Interrupt, engine_cells: CellPool) -> None:
+    record = engine_cells.result(job)
+    assert 4 <= record["listed_before"] <= len(record["recorded"]) < 60, record
+    assert record["incomplete"] == [], f"samples {record['incomplete']} are listed but their files are not complete"
+    _rerun_finished(record)
+    assert record["kept_untouched"], "the rerun rewrote a sample the killed run had finished"
 
 
 def test_bad_lines_are_all_reported_before_the_engine_loads_and_nothing_is_written(tmp_path: Path) -> None:
@@ -329,85 +384,98 @@ def _recorded_after_a_crash(out: Path) -> dict[str, dict[str, object]]:
     return samples
 
 
-def _listed_files_verify(out: Path) -> dict[str, dict[str, object]]:
-    """What the run recorded (manifest.json, and a journal if it could not rewrite the manifest at the end:
-    a full disk), each file checked against its sha256."""
+@dataclass(frozen=True)
+class FullDisk:
+    """FULL_RUN's dataset extracted in batches of 2 onto a tmpfs with room for about 8 samples, then, with
+    the tmpfs grown to 64 MB, again in batches of 8; what each run recorded is checked against its sha256,
+    the output copied out before the tmpfs goes. A pool job (one core); skipped where tmpfs cannot be
+    mounted (needs root)."""
+
+    cores = 1
+    name = "extract-full-disk"
+
+    def run(self, work: Path, core: str | None) -> dict[str, Any]:
+        core = core or "0"
+        data = _dataset(work / "data.jsonl", FULL_RUN.count)
+        config = json.loads((model_dir("dense") / "config.json").read_text())
+        tokens = [len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines()]
+        per_token = 8 + len(LAYER_IDS) * config["hidden_size"] * 4  # an int64 id and float32 states
+        sample = sum(tokens) // len(tokens) * per_token + 4096  # torch.save's zip records around them
+        mount = work / "small_disk"
+        mount.mkdir()
+        size = 8 * sample + 64 * 1024  # room for a few samples and the manifest
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode != 0:
+            return {"skipped": "cannot mount a small tmpfs here (needs root)"}
+        try:
+            out = mount / "out"
+            started = time.monotonic()
+            full = _run(_command(data, out, "--batch-size", "2"), core)
+            elapsed = time.monotonic() - started
+            kept = _listed(out)
+            subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)  # space freed
+            rerun = _run(_command(data, out, "--batch-size", "8"), core)
+            after = _listed(out)
+            shutil.copytree(out, work / "out")
+        finally:
+            subprocess.run(["umount", "-l", str(mount)])
+        return {"out": work / "out", "full": full, "elapsed": elapsed, "kept": kept, "rerun": rerun, "after": after}
+
+
+def _listed(out: Path) -> dict[str, Any]:
+    """What a run recorded (manifest.json, and the journal where it could not rewrite the manifest at the
+    end: a full disk), which of those files do not match their sha256, and the temporary files left."""
     samples = _recorded_after_a_crash(out)
-    for key, entry in samples.items():
-        digest = hashlib.sha256((out / str(entry["file"])).read_bytes()).hexdigest()
-        assert digest == entry["sha256"], f"sample {key} is listed but its file is not complete"
-    assert not list(out.glob("*.tmp"))
-    return samples
+    return {
+        "samples": sorted(samples),
+        "incomplete": [key for key, entry in samples.items() if not _complete(out, entry)],
+        "temporary": [p.name for p in out.glob("*.tmp")],
+    }
 
 
-@pytest.mark.reads(FULL_RUN)
+FULL_DISK = FullDisk()
+
+
+@pytest.mark.reads(FULL_RUN, FULL_DISK)
 def test_full_disk_is_one_line_keeps_what_is_done_and_a_rerun_completes(
-    full_run: tuple[Path, Path], tmp_path: Path
+    full_run: tuple[Path, Path], engine_cells: CellPool
 ) -> None:
-    data, reference = full_run
-    sizes = [p.stat().st_size for p in reference.glob("data_*.pt")]
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    size = 8 * sum(sizes) // len(sizes) + 64 * 1024  # room for a few samples and the manifest
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        out = mount / "out"
-        started = time.monotonic()
-        proc = _run(_command(data, out, "--batch-size", "2"))
-        elapsed = time.monotonic() - started
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        assert re.search(rf"cannot write {re.escape(str(out))}/\S+: No space left on device", errors[0]), errors[0]
-        assert "what is done is kept: rerun to finish" in errors[0]
-        kept = _listed_files_verify(out)
-        assert 0 < len(kept) < 24, len(kept)
-        print(f"full disk: one-line error after {elapsed:.1f} s, {len(kept)} complete samples kept")
-        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)  # space freed
-        rerun = _run(_command(data, out, "--batch-size", "8"))
-        assert rerun.returncode == 0, rerun.stderr[-3000:]
-        assert f"{len(kept)} done, {24 - len(kept)} to do" in rerun.stderr
-        assert len(_listed_files_verify(out)) == 24
-        whole, resumed = _load(reference), _load(out)
-        for idx in whole:
-            assert torch.allclose(whole[idx]["hidden_states"][0], resumed[idx]["hidden_states"][0], atol=1e-5), idx  # type: ignore[index]
-    finally:
-        subprocess.run(["umount", "-l", str(mount)])
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_within_seconds_leaves_a_consistent_output_and_a_rerun_finishes(
-    tmp_path: Path, signum: signal.Signals
-) -> None:
-    data = _dataset(tmp_path / "data.jsonl", 60)
-    out = tmp_path / "interrupted"
-    proc = subprocess.Popen(_command(data, out, "--batch-size", "2"), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        manifest = out / "manifest.json"
-        if manifest.exists() and len(json.loads(manifest.read_text())["samples"]) >= 4:
-            break
-        time.sleep(0.2)
-    sent = time.monotonic()
-    proc.send_signal(signum)
-    try:
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    to_exit = time.monotonic() - sent
-    assert proc.returncode == 128 + signum, stderr[-3000:]
-    assert f"interrupted by {signum.name}" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert process_group_gone(proc.pid), "a worker process outlived the interrupted extract"
-    kept = _listed_files_verify(out)
-    assert 4 <= len(kept) < 60
-    print(f"{signum.name}: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")
-    rerun = _run(_command(data, out, "--batch-size", "8"))
+    record = engine_cells.result(FULL_DISK)
+    if "skipped" in record:
+        pytest.skip(record["skipped"])
+    proc, out = record["full"], record["out"]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    mount_out = re.escape(str(out.parent / "small_disk" / "out"))
+    assert re.search(rf"cannot write {mount_out}/\S+: No space left on device", errors[0]), errors[0]
+    assert "what is done is kept: rerun to finish" in errors[0]
+    kept = record["kept"]
+    assert kept["incomplete"] == [] and kept["temporary"] == [], kept
+    assert 0 < len(kept["samples"]) < 24, kept
+    print(f"full disk: one-line error after {record['elapsed']:.1f} s, {len(kept['samples'])} complete samples kept")
+    rerun = record["rerun"]
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"{len(kept)} done, {60 - len(kept)} to do" in rerun.stderr
-    assert sorted(map(int, _listed_files_verify(out))) == list(range(60))
+    assert f"{len(kept['samples'])} done, {24 - len(kept['samples'])} to do" in rerun.stderr
+    after = record["after"]
+    assert len(after["samples"]) == 24 and after["incomplete"] == [] and after["temporary"] == [], after
+    whole, resumed = _load(full_run[1]), _load(out)
+    for idx in whole:
+        assert torch.allclose(whole[idx]["hidden_states"][0], resumed[idx]["hidden_states"][0], atol=1e-5), idx  # type: ignore[index]
+
+
+@pytest.mark.parametrize("job", [SIGTERM, SIGINT], ids=["15", "2"])
+def test_signal_stops_within_seconds_leaves_a_consistent_output_and_a_rerun_finishes(
+    job: Interrupt, engine_cells: CellPool
+) -> None:
+    record = engine_cells.result(job)
+    signum, stderr = signal.Signals[job.how], record["stderr"]
+    assert record["returncode"] == 128 + signum, stderr[-3000:]
+    assert f"interrupted by {signum.name}" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert record["group_gone"], "a worker process outlived the interrupted extract"
+    assert record["incomplete"] == [] and record["temporary_at_stop"] == [], record
+    assert 4 <= len(record["recorded"]) < 60
+    print(f"{signum.name}: exited {record['to_exit']:.1f} s after the signal, {len(record['recorded'])} samples kept")
+    _rerun_finished(record)
 
 
 # --- --format speculators-hs (speculators >= 0.5) and --save-dtype fp8, read by speculators 0.9.0 --------------
