@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from shared_constants import TESTED_SPECULATORS
+from shared_constants import MATRIX_CI_RELEASE, TESTED_SPECULATORS
 
 from engine_harness import CellPool
 
 ROOT = Path(__file__).resolve().parent.parent
-RELEASE = "0.28.0"
+RELEASE = MATRIX_CI_RELEASE  # its venv: tools/provision.sh
 
 
 @dataclass(frozen=True)

