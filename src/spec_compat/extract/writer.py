@@ -57,10 +57,11 @@ def write_sample(
     """speculators-v1's data_{idx}.pt: written to a temporary name, hashed, fsync'd (``sync``),
     renamed; returns (file name, tokens, sha256) (``write_file``).
 
-    torch.save to a path writes the tensor bytes from C++ without the GIL, and hashlib hashes
-    without it: the writer threads barely compete with the engine loop for the interpreter (saving
-    through a Python file object copied every tensor into a bytes object under the GIL: extract
-    ran at 0.79x the generator's own speed on an H200)."""
+    torch.save to a path, not through a Python file object (which copied every tensor into a bytes
+    object under the GIL: extract ran at 0.79x the generator's own speed on an H200). The threads
+    still share the GIL with the engine loop: on 2 CPU cores a Python loop ran at 0.37 of its speed
+    beside 8 writer threads and 0.91 beside the same writer in another process
+    (benchmarks/writer_interference.py; torch.save is most of it)."""
     name = sample_file_name(idx)
     return name, *_write_then_rename(output, name, name + ".tmp", payload, sync, rename=True, staging=staging)
 
