@@ -23,7 +23,7 @@ import spec_compat
 from spec_compat import extract
 
 
-def _payloads(count: int, tokens: int, hidden: int, layers: int) -> list[dict[str, Any]]:
+def synthetic_samples(count: int, tokens: int, hidden: int, layers: int) -> list[dict[str, Any]]:
     generator = torch.Generator().manual_seed(0)
     states = [torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16) for _ in range(layers)]
     ids = torch.arange(tokens)
@@ -70,7 +70,7 @@ def main() -> None:
     extract.disable_zip_crc32()
     sample_bytes = args.tokens * args.hidden * args.layers * 2
     count = max(1, int(args.gib * 2**30 // sample_bytes))
-    payloads = _payloads(count, args.tokens, args.hidden, args.layers)
+    payloads = synthetic_samples(count, args.tokens, args.hidden, args.layers)
     folder = args.dir / "sc_writer_bench"
     record: dict[str, Any] = {"samples": count, "sample_bytes": sample_bytes, "threads": args.threads, "modes": {}}
     for name, direct in (("buffered", False), ("direct", True), ("buffered_again", False), ("direct_again", True)):

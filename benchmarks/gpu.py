@@ -655,7 +655,8 @@ def summarize_paths(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
             "sets": {},
         }
         for set_name in {n for r in ok for n in r.get("sets", {})}:
-            done = [r["sets"][set_name] for r in ok if r["sets"].get(set_name, {"status": None}).get("status", "ok") == "ok"]
+            with_set = [r["sets"][set_name] for r in ok if set_name in r["sets"]]  # a merged run may lack it
+            done = [d for d in with_set if d.get("status", "ok") == "ok"]
             rates = [float(x) for d in done for x in d["tokens_per_s"]]
             summary: dict[str, Any] = {
                 "tokens_per_s_best": max(rates) if rates else None,
@@ -868,7 +869,7 @@ def one_run_ratios(kind: str, section: dict[str, Any], files: list[Path], parts:
         for index, (file, part) in enumerate(zip(files, parts, strict=True)):
             paths = part["per_model"].get(kind, {}).get("paths", {})
             measured = sum(
-                1 for entry_ in paths.values() if entry_.get("sets", {}).get(name, {}).get("tokens_per_s_median")
+                1 for path in paths.values() if path.get("sets", {}).get(name, {}).get("tokens_per_s_median")
             )
             if measured and (best is None or (measured, index) >= best):
                 best, chosen = (measured, index), (file, paths)
@@ -889,7 +890,8 @@ def merge(files: list[Path], write: Path) -> int:
                 per_model[kind] = copy.deepcopy(section)  # parts stay as read: one_run_ratios reads them
                 continue
             # The same model from another invocation (e.g. one path run later): pool the runs of every
-            # path and summarize again, so its ratios and bitwise check span both invocations.
+            # path and summarize again, so the bitwise check spans both invocations (the ratios are then
+            # taken from one invocation per set: one_run_ratios).
             merged = per_model[kind]
             runs = {name: list(entry.get("runs", [])) for name, entry in merged.get("paths", {}).items()}
             for name, entry in section.get("paths", {}).items():

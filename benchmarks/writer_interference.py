@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from extract_writer import synthetic_samples  # this folder: on sys.path when run as a script
 
 from spec_compat import extract
 
@@ -32,10 +33,7 @@ LOOP_CORE, WRITER_CORE = 0, 1
 
 
 def payload(tokens: int, hidden: int, layers: int) -> dict[str, Any]:
-    generator = torch.Generator().manual_seed(0)
-    states = [torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16) for _ in range(layers)]
-    mask = torch.ones(tokens, dtype=torch.long)
-    return {"input_ids": torch.arange(tokens), "hidden_states": states, "loss_mask": mask}
+    return synthetic_samples(1, tokens, hidden, layers)[0]  # extract_writer.py's synthetic sample
 
 
 def engine_like_loop(seconds: float) -> float:

