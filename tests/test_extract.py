@@ -139,7 +139,8 @@ class Extract:
         return Extracted(data, outs, procs, reader, work / "read.pt", after)
 
 
-FULL_RUN = Extract("full", 24, (("full", ("--batch-size", "5")),), corrupt=True)
+# written by extract's writer process (--writer process); every other job here uses the writer threads
+FULL_RUN = Extract("full", 24, (("full", ("--batch-size", "5", "--writer", "process")),), corrupt=True)
 # full_run's dataset and batches again, as speculators-hs in bf16 and in fp8, then read back
 HS_RUNS = Extract(
     "hs",
@@ -183,6 +184,9 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["samples"] == len(lines) and stats["tokens"] == sum(map(len, lines)) and stats["batches"] == 5
     assert stats["extract_s"] > 0 and stats["engine_start_s"] > 0
+    # each sample's states went from the worker's shared memory to the writer process, no driver copy
+    assert stats["writer"] == "process" and stats["written_by_process"] == len(lines), stats
+    assert stats["timings"].get("extract:torch-save", 0) > 0  # the process's own timings came back
     # every batch's states came through shared memory, in segments the worker reused
     transfer = stats["transfer"]
     assert transfer["replies_handed_over"] + transfer["copied_limit"] >= stats["batches"]
@@ -354,6 +358,7 @@ def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(
         ({"--input": "/nonexistent/data.jsonl"}, "error: --input /nonexistent/data.jsonl: No such file or directory"),
         ({"--model": "/nonexistent/model"}, "error: --model /nonexistent/model: cannot read its config"),
         ({"--batch-size": "0"}, "error: --batch-size must be >= 1, got 0"),
+        ({"--writer": "process", "--replicas": "2"}, "error: --writer process is for one process"),
     ],
 )
 def test_cli_errors_are_one_line(tmp_path: Path, change: dict[str, str], message: str) -> None:

@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         "--writer-threads", type=int, default=None, help="threads writing files (default: half the cores, <= 8)"
     )
     extract.add_argument(
+        "--writer",
+        choices=["threads", "process"],
+        default="threads",
+        help="where the files are written: threads of this process, or a process of its own that maps the states "
+        "from shared memory (no GIL shared with the engine loop; docs/extract.md)",
+    )
+    extract.add_argument(
         "--pending-batches", type=int, default=2, help="batches being written while the next runs (memory bound)"
     )
     extract.add_argument("--ids-field", default="input_ids", help="JSONL field holding token ids")
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 extract.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if args.text_field and args.conversations:
             extract.error("--text-field and --conversations exclude each other")
+        if args.writer == "process" and args.replicas is not None:
+            extract.error("--writer process is for one process; with --replicas each replica writes on its own threads")
         if args.ray_address is not None and args.replicas is None:
             extract.error("--ray-address needs --replicas N")
         if args.max_retries < 0:
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         same_name = (
             "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",
             "text_field", "ids_field", "on_error", "dtype", "save_dtype", "gpu_memory_utilization", "zip_crc32",
-            "conversations", "seed", "format",
+            "conversations", "seed", "format", "writer",
         )  # fmt: skip
         config = ExtractConfig(
             **{name: getattr(args, name) for name in same_name},

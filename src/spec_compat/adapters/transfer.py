@@ -91,6 +91,18 @@ class SharedStates:
 
 
 @dataclass(frozen=True)
+class SegmentSlice:
+    """One tensor's bytes in a segment file (``DriverMappings.locate``): enough for another process
+    to map them (``inode`` tells it the file at ``path`` is still the same one)."""
+
+    path: str
+    inode: int
+    offset: int
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class InlineStates:
     """The reply itself, when no segment could be made (``reason`` says why); already checked."""
 
@@ -554,6 +566,7 @@ class DriverMappings:
         self.segments_seen: set[str] = set()  # every segment a reply came in: how many the worker made
         self.held_count = 0  # segments a result kept at least once
         self._held_lock = threading.RLock()  # RLock: a release can run in the GC inside the lock
+        self.spans: dict[str, tuple[int, int, int]] = {}  # path -> (first address, size, inode) of its mapping
 
     def hold(self, lease: _Lease, size: int) -> None:
         """A result now keeps ``lease`` (once per lease): count its segment until it is released."""
@@ -577,10 +590,27 @@ class DriverMappings:
             fd = os.open(path, os.O_RDWR)
             try:
                 mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE)
+                inode = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
             self.maps[path] = mapping
+            self.spans[path] = (ctypes.addressof(ctypes.c_char.from_buffer(mapping)), size, inode)
         return mapping
+
+    def locate(self, tensor: Any) -> SegmentSlice | None:
+        """Where in a segment file ``tensor``'s bytes lie, when they are exactly its storage (a
+        handed-over clone's): another process can then map the same bytes (extract's writer process).
+        None for anything else. While ``tensor`` lives its reply's lease keeps the file as it is."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.storage_offset() != 0:
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or tensor.untyped_storage().nbytes() != nbytes:
+            return None
+        address = tensor.data_ptr()
+        for path, (low, size, inode) in self.spans.items():
+            if low <= address and address + nbytes <= low + size:
+                return SegmentSlice(path, inode, address - low, _dtype_name(tensor.dtype), tuple(tensor.shape))
+        return None
 
     def open(self, states: SharedStates, handover: Any = None) -> Any:
         """The reply ``states`` describes, with tensors backed by the segment."""
@@ -590,6 +620,7 @@ class DriverMappings:
             raise ValueError(f"spec_compat: captured states at {states.path!r}, outside {self.directory!r}")
         for path in [p for p in self.maps if p not in states.live_segments]:
             del self.maps[path]  # freed by the worker; the mapping closes once no tensor uses it
+            del self.spans[path]
         self.segments_seen.add(states.path)
         if states.nbytes == 0:
             return _substitute(states.template, lambda ref: torch.empty(ref.shape, dtype=getattr(torch, ref.dtype)))
@@ -617,6 +648,7 @@ class DriverMappings:
 
     def close(self) -> None:
         self.maps.clear()
+        self.spans.clear()
 
 
 HELD_LIMIT_ENV = "SPEC_COMPAT_HANDOVER_MAX_BYTES"

@@ -15,7 +15,8 @@ from .dataset import checked_samples
 from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
 from .manifest import _provenance, open_manifest
 from .signals import Interrupted, _install_signal_handlers
-from .writer import BackgroundWriter
+from .writer import BackgroundWriter, writer_nice
+from .writer_process import WriterProcess
 
 
 def run(config: ExtractConfig) -> int:
@@ -42,8 +43,21 @@ def run(config: ExtractConfig) -> int:
     generator: Any = None
     transfer_mappings: Any = None  # the executor's shared-memory mappings (executor-shared-memory-replies)
     writer: BackgroundWriter | None = None
+    process: WriterProcess | None = None  # --writer process
     failures = 0
     try:
+        fmt = formats.get(config)
+        zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
+        staging = direct_io_staging(config.output) if config.direct_io else None
+        # made before the engine: a writer process imports torch while the engine loads
+        process = (
+            WriterProcess(config.output, fmt, config.writer_threads, config.fsync, staging, zip_crc32, writer_nice())
+            if config.writer == "process"
+            else None
+        )
+        writer = BackgroundWriter(
+            config.output, manifest, config.writer_threads, config.pending_batches, config.fsync, staging, fmt, process
+        )
         started = time.perf_counter()
         try:
             generator = VllmHiddenStatesGenerator(
@@ -56,17 +70,13 @@ def run(config: ExtractConfig) -> int:
         except (ValueError, TypeError) as exc:  # refused at construction (layer ids), before weights load
             raise ExtractError(str(exc).splitlines()[0]) from None
         engine_start_s = time.perf_counter() - started
-        fmt = formats.get(config)
+        # where the states of a reply lie in shared memory (executor-shared-memory-replies), for the process
+        writer.locate = getattr(getattr(generator.executor, "transfer_mappings", None), "locate", None)
         save_dtype = formats.state_dtype(config)
-        zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
         lengths = [min(len(s.input_ids), limit) for s in todo]
         slots = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 0) or None
         batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots)
         progress = Progress(len(todo), sum(lengths))
-        staging = direct_io_staging(config.output) if config.direct_io else None
-        writer = BackgroundWriter(
-            config.output, manifest, config.writer_threads, config.pending_batches, config.fsync, staging, fmt
-        )
         first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
         generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
         spec_compat.reset_timings()  # the engine start's RPCs are not the loop's
@@ -150,6 +160,8 @@ def run(config: ExtractConfig) -> int:
         "generate_s": generate_s,
         "prepare_s": prepare_s,
         "writer_wait_s": writer.wait_s,
+        "writer": config.writer,
+        "written_by_process": process.samples if process is not None else 0,  # the rest: by driver threads
         "writer_threads": config.writer_threads,
         "writer_nice": writer.nice,
         "pending_batches": config.pending_batches,

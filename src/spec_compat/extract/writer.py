@@ -20,6 +20,7 @@ from .files import Saved, _write_then_rename, fsync_directory, write_file
 from .formats import Format
 from .formats.v1 import SpeculatorsV1
 from .manifest import Manifest
+from .writer_process import WriterProcess, describe
 
 WRITER_NICE_ENV = "SPEC_COMPAT_WRITER_NICE"  # niceness the writer threads add to their own (0-19)
 # 0 until measured on the GPU: run R's A/B of it got no figure (that machine's vLLM-native path alone
@@ -143,6 +144,7 @@ class BackgroundWriter:
         sync: bool = True,
         staging: Path | None = None,
         fmt: Format | None = None,
+        process: WriterProcess | None = None,
     ) -> None:
         self.output = output
         self.fmt: Format = fmt or SpeculatorsV1()
@@ -162,6 +164,10 @@ class BackgroundWriter:
         self.written_samples = 0
         self.written_bytes = 0
         self.wait_s = 0.0  # time the engine loop waited for the writer (the writer is the bottleneck)
+        # --writer process: samples whose states lie in shared-memory segments are written there
+        # (writer_process.py); ``locate`` (the engine's DriverMappings.locate) finds them, once it runs
+        self.process = process
+        self.locate: Callable[[Any], Any] | None = None
 
     def submit(self, samples: list[tuple[int, dict[str, Any]]], names: list[str] | None = None) -> None:
         """Write ``samples`` ((idx, payload) each) to ``names`` (default: the format's name of each idx)."""
@@ -170,10 +176,16 @@ class BackgroundWriter:
         if names is None:
             names = [self.fmt.file_name(idx, idx) for idx, _ in samples]
         files = [
-            (idx, name, self.pool.submit(self._write, name, payload))
-            for (idx, payload), name in zip(samples, names, strict=True)
+            (idx, name, self._submit_file(name, payload)) for (idx, payload), name in zip(samples, names, strict=True)
         ]
         self.in_flight.append(self.recorder.submit(self._record, files))
+
+    def _submit_file(self, name: str, payload: dict[str, Any]) -> Future[Saved]:
+        if self.process is not None and self.locate is not None:
+            described = describe(payload, self.locate)
+            if described is not None:
+                return self.process.submit(name, payload, described)
+        return self.pool.submit(self._write, name, payload)
 
     def _write(self, name: str, payload: dict[str, Any]) -> Saved:
         return write_in_format(self.fmt, self.output, name, name + ".tmp", payload, self.sync, True, self.staging)
@@ -223,6 +235,8 @@ class BackgroundWriter:
             self.drain()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.process is not None:
+                self.process.close()
             self.recorder.shutdown(wait=True)
             with contextlib.suppress(OSError, WriteFailed):
                 self.manifest.close(self.sync)

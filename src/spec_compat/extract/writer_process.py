@@ -1,0 +1,288 @@
+"""extract's sample files written by a process of its own (``--writer process``).
+
+Why: the writer threads share the engine loop's interpreter. torch.save's pickling and each file's
+bookkeeping take the GIL, so beside 8 writer threads speculators' driver loop, vLLM's RPC handling
+and spec_compat's own work between the forwards all slow down: on an H100 extract's ``generate()``
+calls took 12-25 % longer than the same calls without a writer (run T, docs/benchmarks.md), and on
+the 2-core development machine a Python loop ran at 0.37 of its speed beside the threads against
+0.91 beside the same writer in another process (benchmarks/writer_interference.py).
+
+How: the captured states are already in shared memory. With the handover (adapter
+driver-states-handover) each state tensor of a sample is a storage of exactly its own bytes in a
+segment file the driver has mapped (``DriverMappings.locate``). The driver sends only where those
+bytes lie; this process maps the same file, rebuilds the payload over it and runs the format's
+``save`` through ``write_file``, exactly as a writer thread would: the same serializer on a tensor
+of the same bytes and storage, so the same file, byte for byte. The driver keeps the payload (and
+with it the segment's lease, so the worker leaves those bytes alone) until the file is reported
+written. A sample whose states are not in a segment (handover off or refused, a cast to another
+dtype) is written on a driver thread as before (``BackgroundWriter``).
+
+The process: ``python -m spec_compat.extract.writer_process JOBS_FD REPLIES_FD``, two pipes,
+length-prefixed pickles. It runs in a session of its own and ignores SIGINT and SIGTERM (a Ctrl-C
+or a stop is the driver's: it finishes the batches in flight, then says "end"), and it stops when
+its job pipe closes (a driver killed outright), leaving at most temporary files, like a killed
+run's threads. Its ``spec_compat.timings()`` are added to
+the driver's when it ends.
+
+No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..timing import add_all, timings
+from .config import WriteFailed
+from .files import Saved, disable_zip_crc32
+
+_HEADER = struct.Struct("<Q")
+# bytes of tensors outside segments a sample may send through the pipe (ids and loss mask: 16 per
+# token); a sample with more is written on a driver thread instead of being copied through the pipe
+INLINE_LIMIT = 1 << 20
+EXIT_TIMEOUT_S = 120.0  # after "end", everything it was sent already written
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    """The next message; None once the other end has closed the pipe."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (length,) = _HEADER.unpack(header)
+    data = stream.read(length)
+    if len(data) < length:
+        return None
+    return pickle.loads(data)
+
+
+def describe(payload: dict[str, Any], locate: Callable[[Any], Any]) -> dict[str, Any] | None:
+    """``payload`` with each state tensor replaced by where it lies in a segment (``locate``: path,
+    inode, offset, dtype name, shape); None when one does not lie in one, or when the rest would
+    send more than ``INLINE_LIMIT`` bytes through the pipe."""
+    states = []
+    for tensor in payload["hidden_states"]:
+        where = locate(tensor)
+        if where is None:
+            return None
+        states.append((where.path, where.inode, where.offset, where.dtype, where.shape))
+    inline = sum(getattr(value, "nbytes", 0) for key, value in payload.items() if key != "hidden_states")
+    return {**payload, "hidden_states": states} if inline <= INLINE_LIMIT else None
+
+
+class WriterProcess:
+    """The driver's end: ``submit`` a sample's file, get a Future of its ``Saved``; ``close`` ends it."""
+
+    def __init__(
+        self, output: Path, fmt: Any, threads: int, sync: bool, staging: Path | None, zip_crc32: bool, nice: int
+    ) -> None:
+        jobs_read, jobs_write = os.pipe()
+        replies_read, replies_write = os.pipe()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(jobs_read), str(replies_write)],
+                pass_fds=(jobs_read, replies_write),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno(),
+                start_new_session=True,  # a Ctrl-C is the driver's: it finishes the batches in flight, then ends this
+            )
+        finally:
+            os.close(jobs_read)
+            os.close(replies_write)
+        self.jobs = os.fdopen(jobs_write, "wb")
+        self.replies = os.fdopen(replies_read, "rb")
+        self.pending: dict[int, tuple[Future[Saved], dict[str, Any]]] = {}  # job -> (its Future, its payload)
+        self.next_id = 0
+        self.lock = threading.Lock()
+        self.ended = threading.Event()
+        self.failure: str | None = None  # why the process is gone, once it is
+        self.samples = 0  # files this process wrote
+        settings = {"output": str(output), "fmt": fmt, "threads": threads, "sync": sync, "nice": nice}
+        _send(self.jobs, ("start", {**settings, "staging": str(staging) if staging else None, "crc32": zip_crc32}))
+        self.reader = threading.Thread(target=self._read_replies, name="spec-compat-writer-replies", daemon=True)
+        self.reader.start()
+
+    def submit(self, name: str, payload: dict[str, Any], described: dict[str, Any]) -> Future[Saved]:
+        """Write one sample to ``name``: ``described`` (``describe(payload)``) goes to the process,
+        ``payload`` is kept here (and with it its segment's lease) until the file is written."""
+        future: Future[Saved] = Future()
+        with self.lock:
+            if self.failure is not None:
+                future.set_exception(WriteFailed(self.failure))
+                return future
+            job = self.next_id
+            self.next_id += 1
+            self.pending[job] = (future, payload)
+            with contextlib.suppress(OSError):  # the process is gone: its reader fails what is pending
+                _send(self.jobs, ("write", job, name, described))
+        return future
+
+    def _read_replies(self) -> None:
+        why = "ended"
+        try:
+            while (message := _receive(self.replies)) is not None:
+                kind, *rest = message
+                if kind == "timings":
+                    add_all(rest[0])
+                    continue
+                job, outcome = rest
+                with self.lock:
+                    future, _ = self.pending.pop(job)  # the payload goes here: its lease with it
+                if kind == "done":
+                    self.samples += 1
+                    future.set_result(outcome)
+                else:
+                    future.set_exception(outcome)
+        except Exception as exc:  # noqa: BLE001 - a reply that cannot be read: every pending file fails with it
+            why = f"sent a reply that could not be read ({type(exc).__name__}: {exc})"
+            self.process.kill()
+        code = self.process.wait()
+        with self.lock:
+            self.failure = f"extract's writer process {why} (exit code {code}) with files still to write"
+            pending, self.pending = self.pending, {}
+        for future, _ in pending.values():
+            future.set_exception(WriteFailed(self.failure))
+        self.ended.set()
+
+    def close(self) -> None:
+        """Say "end" (the process finishes what it was sent, reports its timings, exits) and wait."""
+        with self.lock, contextlib.suppress(OSError):
+            _send(self.jobs, ("end",))
+        with contextlib.suppress(OSError):
+            self.jobs.close()
+        if not self.ended.wait(EXIT_TIMEOUT_S):
+            self.process.kill()
+            self.ended.wait()
+        self.replies.close()
+
+
+# ---- the process --------------------------------------------------------------------------------
+
+
+class _Mappings:
+    """Segment files mapped here, by path; one whose file is gone or replaced is dropped (its memory
+    goes once no tensor of it is left), so this process never keeps a freed segment's pages."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, tuple[int, mmap.mmap]] = {}
+
+    def tensor(self, ref: tuple[str, int, int, str, tuple[int, ...]]) -> Any:
+        import torch
+
+        path, inode, offset, dtype_name, shape = ref
+        mapped = self.maps.get(path)
+        if mapped is None or mapped[0] != inode:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                if os.fstat(fd).st_ino != inode:
+                    raise WriteFailed(f"segment {path} was replaced while its states were being written")
+                mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            mapped = self.maps[path] = (inode, mapping)
+        dtype = getattr(torch, dtype_name)
+        count = 1
+        for size in shape:
+            count *= size
+        return torch.frombuffer(mapped[1], dtype=dtype, count=count, offset=offset).view(shape)
+
+    def drop_stale(self) -> None:
+        for path, (inode, _) in list(self.maps.items()):
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != inode:
+                del self.maps[path]
+
+
+def _serve(jobs: BinaryIO, replies: BinaryIO) -> int:
+    from .writer import lower_this_threads_priority, write_in_format
+
+    start = _receive(jobs)
+    if start is None or start[0] != "start":
+        return 2
+    settings = start[1]
+    if not settings["crc32"]:
+        disable_zip_crc32()
+    output = Path(settings["output"])
+    staging = Path(settings["staging"]) if settings["staging"] else None
+    fmt = settings["fmt"]
+    send_lock = threading.Lock()
+    pool = ThreadPoolExecutor(
+        max_workers=max(1, settings["threads"]),
+        thread_name_prefix="spec-compat-writer",
+        initializer=lower_this_threads_priority,
+        initargs=(settings["nice"],),
+    )
+    mappings = _Mappings()
+
+    def reply(message: Any) -> None:
+        with send_lock:
+            _send(replies, message)
+
+    def write(job: int, name: str, payload: dict[str, Any]) -> None:
+        try:
+            saved = write_in_format(fmt, output, name, name + ".tmp", payload, settings["sync"], True, staging)
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises it
+            reply(("failed", job, _picklable(exc)))
+            return
+        del payload
+        reply(("done", job, saved))
+
+    while (message := _receive(jobs)) is not None:
+        if message[0] == "end":
+            pool.shutdown(wait=True)
+            reply(("timings", tuple(timings().items())))
+            return 0
+        _, job, name, described = message
+        try:
+            mappings.drop_stale()
+            states = [mappings.tensor(ref) for ref in described["hidden_states"]]
+        except (OSError, WriteFailed) as exc:
+            reply(("failed", job, _picklable(exc)))
+            continue
+        pool.submit(write, job, name, {**described, "hidden_states": states})
+    # the driver is gone (its end of the pipe closed without "end"): what is written is not listed anyway
+    pool.shutdown(wait=False, cancel_futures=True)
+    return 1
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any exception that does not survive the pipe goes as its message
+        return WriteFailed(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def main(argv: list[str]) -> int:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    import torch  # noqa: F401 - imported while the driver's engine loads, not at the first file
+
+    with os.fdopen(int(argv[0]), "rb") as jobs, os.fdopen(int(argv[1]), "wb") as replies:
+        return _serve(jobs, replies)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
