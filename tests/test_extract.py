@@ -139,8 +139,7 @@ class Extract:
         return Extracted(data, outs, procs, reader, work / "read.pt", after)
 
 
-# written by extract's writer process (--writer process); every other job here uses the writer threads
-FULL_RUN = Extract("full", 24, (("full", ("--batch-size", "5", "--writer", "process")),), corrupt=True)
+FULL_RUN = Extract("full", 24, (("full", ("--batch-size", "5")),), corrupt=True)
 # full_run's dataset and batches again, as speculators-hs in bf16 and in fp8, then read back
 HS_RUNS = Extract(
     "hs",
@@ -152,7 +151,12 @@ HS_RUNS = Extract(
     read_back=True,
     rerun=True,
 )
-SHARDS = Extract("shards", 24, tuple(("sharded", ("--shard", shard, "--batch-size", "4")) for shard in ("0/2", "1/2")))
+# the writer threads (--writer threads) instead of the default writer process
+SHARDS = Extract(
+    "shards",
+    24,
+    tuple(("sharded", ("--shard", shard, "--batch-size", "4", "--writer", "threads")) for shard in ("0/2", "1/2")),
+)
 SKIP = Extract("skip", 12, (("skip", ("--batch-size", "4", "--on-error", "skip")),), bad=(5,))
 
 
@@ -216,6 +220,8 @@ def test_two_shards_equal_one_run(full_run: tuple[Path, Path], engine_cells: Cel
     for proc in shards.procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(shards.procs) == 2
+    stats = json.loads((shards.outs["sharded"] / "extract_stats.json").read_text())  # the second shard's
+    assert stats["writer"] == "threads" and stats["written_by_process"] == 0, stats
     whole, sharded = _load(out), _load(shards.outs["sharded"])
     assert sorted(sharded) == sorted(whole)
     for idx, sample in whole.items():

@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     extract.add_argument(
         "--writer",
-        choices=["threads", "process"],
-        default="threads",
-        help="where the files are written: threads of this process, or a process of its own that maps the states "
-        "from shared memory (no GIL shared with the engine loop; docs/extract.md)",
+        choices=["process", "threads"],
+        default=None,
+        help="where the files are written: a process of its own that maps the states from shared memory (the "
+        "default: no GIL shared with the engine loop; docs/extract.md), or threads of this process",
     )
     extract.add_argument(
         "--pending-batches", type=int, default=2, help="batches being written while the next runs (memory bound)"
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         same_name = (
             "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",
             "text_field", "ids_field", "on_error", "dtype", "save_dtype", "gpu_memory_utilization", "zip_crc32",
-            "conversations", "seed", "format", "writer",
+            "conversations", "seed", "format",
         )  # fmt: skip
         config = ExtractConfig(
             **{name: getattr(args, name) for name in same_name},
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             shard=shard,
             fsync=not args.no_fsync,
             direct_io=args.direct_io,
+            writer=args.writer or ("threads" if args.replicas is not None else "process"),
         )
         try:
             if args.replicas is not None:

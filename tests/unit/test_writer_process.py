@@ -76,6 +76,7 @@ def write(out: Path, fmt: Any, samples: list[tuple[int, dict[str, Any]]], locate
     writer.close()
     if writer_process is not None:
         assert writer_process.samples == len(samples), "every sample in a segment goes to the process"
+        writer_process.close()  # again, as extract does after an interruption: nothing happens
     files = {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
     listed = {entry["file"]: entry["sha256"] for entry in manifest.data["samples"].values()}
     assert listed and all(files[name] == digest for name, digest in listed.items())

@@ -10,6 +10,8 @@ One module per concern, in an order no import goes against (a module imports onl
 - ``dataset``: the input read and checked before an engine loads (model facts, lines, layer ids);
 - ``manifest``: ``manifest.json`` (provenance, a sha256 per file, failures), its journal and ``sample_lengths.json``;
 - ``batching``: batch planning, bad-sample isolation, the payloads, progress;
+- ``writer_process``: ``--writer process`` (the default): a process of its own writes the files,
+  reading the states from the engine's shared-memory segments;
 - ``writer``: a sample's file, the background writer (writer threads, one recorder thread), adopting
   files another process wrote;
 - ``signals``: SIGINT / SIGTERM handling;

@@ -54,7 +54,7 @@ class ExtractConfig:
     batch_size: int | None = None  # samples per generate() call; default: the engine's max_num_seqs
     batch_tokens: int = 32768  # and at most this many tokens per call (one sample may exceed it alone)
     writer_threads: int = field(default_factory=lambda: default_writer_threads())
-    writer: str = "threads"  # or "process": the files written by a process of its own (writer_process.py)
+    writer: str = "process"  # the files written by a process of its own (writer_process.py), or "threads"
     pending_batches: int = 2  # batches written in the background while the next one runs (memory bound)
     text_field: str | None = None
     ids_field: str = "input_ids"

@@ -17,7 +17,7 @@ from . import formats
 from .batching import generate_isolating, sample_payloads
 from .config import ExtractConfig, Sample, WriteFailed
 from .files import Saved, direct_io_staging, disable_zip_crc32
-from .writer import write_in_format
+from .writer_process import write_in_format
 
 # a replica's files until the driver renames them: {output}/TMP_DIR/{batch}-{attempt}/{file's name}.tmp (the
 # same base name as a single-process run's temporary file: torch.save names the archive's records after it, so

@@ -50,11 +50,7 @@ def run(config: ExtractConfig) -> int:
         zip_crc32 = config.zip_crc32 or not disable_zip_crc32()
         staging = direct_io_staging(config.output) if config.direct_io else None
         # made before the engine: a writer process imports torch while the engine loads
-        process = (
-            WriterProcess(config.output, fmt, config.writer_threads, config.fsync, staging, zip_crc32, writer_nice())
-            if config.writer == "process"
-            else None
-        )
+        process = start_writer_process(config, fmt, staging, zip_crc32) if config.writer == "process" else None
         writer = BackgroundWriter(
             config.output, manifest, config.writer_threads, config.pending_batches, config.fsync, staging, fmt, process
         )
@@ -160,7 +156,7 @@ def run(config: ExtractConfig) -> int:
         "generate_s": generate_s,
         "prepare_s": prepare_s,
         "writer_wait_s": writer.wait_s,
-        "writer": config.writer,
+        "writer": "process" if process is not None else "threads",
         "written_by_process": process.samples if process is not None else 0,  # the rest: by driver threads
         "writer_threads": config.writer_threads,
         "writer_nice": writer.nice,
@@ -180,6 +176,15 @@ def run(config: ExtractConfig) -> int:
         file=sys.stderr,
     )
     return 1 if failures or bad else 0
+
+
+def start_writer_process(config: ExtractConfig, fmt: Any, staging: Any, zip_crc32: bool) -> WriterProcess | None:
+    """The writer process, or None (said on stderr) where one cannot be started: the threads write then."""
+    try:
+        return WriterProcess(config.output, fmt, config.writer_threads, config.fsync, staging, zip_crc32, writer_nice())
+    except OSError as exc:
+        print(f"spec-compat extract: no writer process ({exc}); writing on threads of this one", file=sys.stderr)
+        return None
 
 
 def transfer_counts(mappings: Any) -> dict[str, int] | None:

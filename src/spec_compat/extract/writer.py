@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,11 +14,11 @@ from typing import Any
 
 from ..timing import timed
 from .config import ExtractError, WriteFailed
-from .files import Saved, _write_then_rename, fsync_directory, write_file
+from .files import Saved, _write_then_rename, fsync_directory
 from .formats import Format
 from .formats.v1 import SpeculatorsV1
 from .manifest import Manifest
-from .writer_process import WriterProcess, describe
+from .writer_process import WriterProcess, describe, lower_this_threads_priority, write_in_format
 
 WRITER_NICE_ENV = "SPEC_COMPAT_WRITER_NICE"  # niceness the writer threads add to their own (0-19)
 # 0 until measured on the GPU: run R's A/B of it got no figure (that machine's vLLM-native path alone
@@ -34,22 +32,6 @@ def writer_nice() -> int:
         return max(0, min(19, int(os.environ.get(WRITER_NICE_ENV, DEFAULT_WRITER_NICE))))
     except ValueError:
         return DEFAULT_WRITER_NICE
-
-
-def lower_this_threads_priority(increment: int) -> None:
-    """Make the calling thread ``increment`` nicer (Linux only: there a thread id names one thread,
-    elsewhere the call would renice the whole process).
-
-    Why: sha256 and the copies into the page cache keep the writer threads busy for 3-4 cores per
-    second of extract on an H200 (12-22 CPU-s for an 11 GB run of 5 s); beside them the engine's
-    own threads (this loop, vLLM's engine core and worker) lose their cores, and the forward RPCs
-    took 1.9-4.0 s where the generator alone takes 2.0 (run R, docs/benchmarks.md). Nicer writers
-    would still get every core the engine leaves idle."""
-    if increment <= 0 or sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
 
 
 def write_sample(
@@ -69,14 +51,6 @@ def write_sample(
 
 def sample_file_name(idx: int) -> str:
     return SpeculatorsV1().file_name(idx, None)
-
-
-def write_in_format(
-    fmt: Format, output: Path, name: str, tmp_name: str, payload: dict[str, Any], sync: bool, rename: bool,
-    staging: Path | None,
-) -> Saved:  # fmt: skip
-    """One sample's file in ``fmt`` (its ``save`` on this thread), through ``write_file``."""
-    return write_file(output, name, tmp_name, payload, fmt.save, fmt.save_label, sync, rename, staging)
 
 
 def record_written(manifest: Manifest, output: Path, written: list[tuple[int, str, Saved]], sync: bool) -> None:

@@ -20,8 +20,8 @@ dtype) is written on a driver thread as before (``BackgroundWriter``).
 The process: ``python -m spec_compat.extract.writer_process JOBS_FD REPLIES_FD``, two pipes,
 length-prefixed pickles. It runs in a session of its own and ignores SIGINT and SIGTERM (a Ctrl-C
 or a stop is the driver's: it finishes the batches in flight, then says "end"), and it stops when
-its job pipe closes (a driver killed outright), leaving at most temporary files, like a killed
-run's threads. Its ``spec_compat.timings()`` are added to
+its job pipe closes (a driver killed outright), at once, leaving at most temporary files, like a
+killed run's threads. Its ``spec_compat.timings()`` are added to
 the driver's when it ends.
 
 No vLLM import here.
@@ -45,7 +45,33 @@ from typing import Any, BinaryIO
 
 from ..timing import add_all, timings
 from .config import WriteFailed
-from .files import Saved, disable_zip_crc32
+from .files import Saved, disable_zip_crc32, write_file
+from .formats import Format
+
+
+def lower_this_threads_priority(increment: int) -> None:
+    """Make the calling thread ``increment`` nicer (Linux only: there a thread id names one thread,
+    elsewhere the call would renice the whole process).
+
+    Why: sha256 and the copies into the page cache keep the writer threads busy for 3-4 cores per
+    second of extract on an H200 (12-22 CPU-s for an 11 GB run of 5 s); beside them the engine's
+    own threads (this loop, vLLM's engine core and worker) lose their cores, and the forward RPCs
+    took 1.9-4.0 s where the generator alone takes 2.0 (run R, docs/benchmarks.md). Nicer writers
+    would still get every core the engine leaves idle."""
+    if increment <= 0 or sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+
+
+def write_in_format(
+    fmt: Format, output: Path, name: str, tmp_name: str, payload: dict[str, Any], sync: bool, rename: bool,
+    staging: Path | None,
+) -> Saved:  # fmt: skip
+    """One sample's file in ``fmt`` (its ``save`` on this thread), through ``write_file``."""
+    return write_file(output, name, tmp_name, payload, fmt.save, fmt.save_label, sync, rename, staging)
+
 
 _HEADER = struct.Struct("<Q")
 # bytes of tensors outside segments a sample may send through the pipe (ids and loss mask: 16 per
@@ -132,7 +158,7 @@ class WriterProcess:
             job = self.next_id
             self.next_id += 1
             self.pending[job] = (future, payload)
-            with contextlib.suppress(OSError):  # the process is gone: its reader fails what is pending
+            with contextlib.suppress(OSError, ValueError):  # the process is gone: its reader fails what is pending
                 _send(self.jobs, ("write", job, name, described))
         return future
 
@@ -164,7 +190,10 @@ class WriterProcess:
         self.ended.set()
 
     def close(self) -> None:
-        """Say "end" (the process finishes what it was sent, reports its timings, exits) and wait."""
+        """Say "end" (the process finishes what it was sent, reports its timings, exits) and wait; once
+        (extract closes its writer again after an interruption)."""
+        if self.jobs.closed:
+            return
         with self.lock, contextlib.suppress(OSError):
             _send(self.jobs, ("end",))
         with contextlib.suppress(OSError):
@@ -216,8 +245,6 @@ class _Mappings:
 
 
 def _serve(jobs: BinaryIO, replies: BinaryIO) -> int:
-    from .writer import lower_this_threads_priority, write_in_format
-
     start = _receive(jobs)
     if start is None or start[0] != "start":
         return 2
@@ -262,9 +289,10 @@ def _serve(jobs: BinaryIO, replies: BinaryIO) -> int:
             reply(("failed", job, _picklable(exc)))
             continue
         pool.submit(write, job, name, {**described, "hidden_states": states})
-    # the driver is gone (its end of the pipe closed without "end"): what is written is not listed anyway
-    pool.shutdown(wait=False, cancel_futures=True)
-    return 1
+    # The driver is gone (its end of the pipe closed without "end"): stop now, mid-file if need be. Nothing
+    # written here is listed without the driver, and a file finished later could land under the name a
+    # rerun is writing (a temporary file left now is harmless: the rerun writes its own).
+    os._exit(1)
 
 
 def _picklable(exc: BaseException) -> BaseException:
