@@ -367,18 +367,29 @@ def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(
         ({"--writer": "process", "--replicas": "2"}, "error: --writer process is for one process"),
     ],
 )
-def test_cli_errors_are_one_line(tmp_path: Path, change: dict[str, str], message: str) -> None:
+def test_cli_errors_are_one_line(
+    tmp_path: Path, change: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process (each error is found before anything imports vLLM or speculators): the
+    command line's own process is proven by the bad-lines test above."""
+    from spec_compat.cli import main
+
     data = _dataset(tmp_path / "data.jsonl", 3)
-    command = _command(data, tmp_path / "out")
+    command = _command(data, tmp_path / "out")[3:]  # after "python -m spec_compat"
     for flag, value in change.items():
         if flag in command:
             command[command.index(flag) + 1] = value
         else:
             command += [flag, value]
-    proc = _run(command)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1
+    try:
+        code = main(command)
+    except SystemExit as exc:  # argparse's own error exit
+        code = exc.code
+    stderr = capsys.readouterr().err
+    assert code == 2
+    assert message in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert len([line for line in stderr.splitlines() if "error:" in line]) == 1
+    assert not (tmp_path / "out").exists()
 
 
 def _recorded_after_a_crash(out: Path) -> dict[str, dict[str, object]]:

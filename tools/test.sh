@@ -16,4 +16,5 @@ if [ "${1:-}" = "--fast" ]; then
   exec "$SPEC_COMPAT_VENV/bin/python" -m pytest -ra -p no:cacheprovider tests/unit tests/test_boundary.py \
     "tests/test_engine.py::test_generator_matches_hf[spec0.4.0.1-dense-tp1-spawn]" "$@"
 fi
-exec "$SPEC_COMPAT_VENV/bin/python" -m pytest -ra -p no:cacheprovider "$@"
+# --durations=25: the slowest tests in every full run's log (docs/testing.md keeps them per host).
+exec "$SPEC_COMPAT_VENV/bin/python" -m pytest -ra -p no:cacheprovider --durations=25 "$@"
