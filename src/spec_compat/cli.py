@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             shard=shard,
             fsync=not args.no_fsync,
             direct_io=args.direct_io,
-            writer=args.writer or ("threads" if args.replicas is not None else "process"),
+            # ExtractConfig's default unless given (--replicas: each replica writes on its own threads)
+            **({"writer": args.writer} if args.writer else {}),
         )
         try:
             if args.replicas is not None:
