@@ -881,11 +881,21 @@ def one_run_ratios(kind: str, section: dict[str, Any], files: list[Path], parts:
         entry["ratios_from"] = str(file)
 
 
+def model_key(kind: str, part: dict[str, Any], first: dict[str, Any]) -> str:
+    """Runs of another speculators release than the first file's stay apart (``moe@speculators-0.3.0``):
+    pooling them would mix two libraries' digests and timings in one entry."""
+    version = part.get("versions", {}).get("speculators")
+    if version == first.get("versions", {}).get("speculators"):
+        return kind
+    return f"{kind}@speculators-{version}"
+
+
 def merge(files: list[Path], write: Path) -> int:
     parts = [json.loads(f.read_text()) for f in files]
     per_model: dict[str, Any] = {}
     for part in parts:
         for kind, section in part["per_model"].items():
+            kind = model_key(kind, part, parts[0])
             if kind not in per_model:
                 per_model[kind] = copy.deepcopy(section)  # parts stay as read: one_run_ratios reads them
                 continue
@@ -902,8 +912,11 @@ def merge(files: list[Path], write: Path) -> int:
             names = list(dict.fromkeys([*merged.get("prompt_sets", {}), *section.get("prompt_sets", {})]))
             merged["prompt_sets"] = prompt_set_ratios(merged["paths"], names, commit)
             merged.setdefault("merged_from", []).append(section.get("model", kind))
-    for kind, section in per_model.items():
-        one_run_ratios(kind, section, files, parts)
+    for key, section in per_model.items():
+        kind, _, _ = key.partition("@")
+        mine = [(f, p) for f, p in zip(files, parts, strict=True) if kind in p["per_model"]
+                and model_key(kind, p, parts[0]) == key]  # fmt: skip
+        one_run_ratios(kind, section, [f for f, _ in mine], [p for _, p in mine])
     result: dict[str, Any] = {**top_level(per_model), "per_model": per_model}
     result["versions"] = parts[0]["versions"]
     if any(p["versions"] != parts[0]["versions"] for p in parts):

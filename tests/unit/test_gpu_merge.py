@@ -1,0 +1,31 @@
+"""benchmarks/gpu.py --merge: records of another speculators release stay apart from the first file's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu import merge
+
+RECORD = ROOT / "benchmarks" / "results" / "gpu" / "c863c88_moe_chat_h100.json"
+
+
+def test_a_second_speculators_release_gets_its_own_entry(tmp_path: Path) -> None:
+    other = json.loads(RECORD.read_text())
+    other["versions"]["speculators"] = "0.3.0"
+    other_file = tmp_path / "other.json"
+    other_file.write_text(json.dumps(other))
+    written = tmp_path / "merged.json"
+
+    assert merge([RECORD, other_file], written) == 0
+
+    per_model = json.loads(written.read_text())["per_model"]
+    assert sorted(per_model) == ["moe", "moe@speculators-0.3.0"]
+    assert per_model["moe"]["prompt_sets"]["chat"]["ratios_from"] == str(RECORD)
+    assert per_model["moe@speculators-0.3.0"]["prompt_sets"]["chat"]["ratios_from"] == str(other_file)
+    first = per_model["moe"]["paths"]["shim"]["runs"]
+    assert len(first) == len(json.loads(RECORD.read_text())["per_model"]["moe"]["paths"]["shim"]["runs"])
