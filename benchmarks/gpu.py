@@ -873,10 +873,12 @@ def one_run_ratios(kind: str, section: dict[str, Any], files: list[Path], parts:
             )
             if measured and (best is None or (measured, index) >= best):
                 best, chosen = (measured, index), (file, paths)
+                commit = part.get("versions", {}).get("spec_compat") or entry.get("commit")
         if chosen is None:
             continue
         file, paths = chosen
-        fresh = prompt_set_ratios(paths, [name], entry.get("commit"))[name]
+        # the commit of the invocation the ratios come from, not the first merged file's
+        fresh = prompt_set_ratios(paths, [name], commit)[name]
         entry.update({key: value for key, value in fresh.items() if key not in POOLED_KEYS})
         entry["ratios_from"] = str(file)
 

@@ -17,6 +17,7 @@ RECORD = ROOT / "benchmarks" / "results" / "gpu" / "c863c88_moe_chat_h100.json"
 def test_a_second_speculators_release_gets_its_own_entry(tmp_path: Path) -> None:
     other = json.loads(RECORD.read_text())
     other["versions"]["speculators"] = "0.3.0"
+    other["versions"]["spec_compat"] = "abc1234"
     other_file = tmp_path / "other.json"
     other_file.write_text(json.dumps(other))
     written = tmp_path / "merged.json"
@@ -27,5 +28,7 @@ def test_a_second_speculators_release_gets_its_own_entry(tmp_path: Path) -> None
     assert sorted(per_model) == ["moe", "moe@speculators-0.3.0"]
     assert per_model["moe"]["prompt_sets"]["chat"]["ratios_from"] == str(RECORD)
     assert per_model["moe@speculators-0.3.0"]["prompt_sets"]["chat"]["ratios_from"] == str(other_file)
+    assert per_model["moe@speculators-0.3.0"]["prompt_sets"]["chat"]["commit"] == "abc1234"  # the chosen file's
+    assert per_model["moe"]["prompt_sets"]["chat"]["commit"] == "c863c88"
     first = per_model["moe"]["paths"]["shim"]["runs"]
     assert len(first) == len(json.loads(RECORD.read_text())["per_model"]["moe"]["paths"]["shim"]["runs"])
