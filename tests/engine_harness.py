@@ -112,6 +112,12 @@ class Cell:
     def cores(self) -> int:
         return self.tp  # a TP=1 engine keeps about one core busy, each TP rank one
 
+    @property
+    def process_key(self) -> tuple[Any, ...]:
+        """What the cell's driver process is (its speculators, TP size, worker start method, apply()
+        options, environment): cells with the same key can share one driver (``CellGroup``)."""
+        return (self.speculators, self.tp, self.method, self.apply, self.disable, self.env)
+
     def run(self, work: Path, core: str | None) -> CellResult:
         return run_cell(self, work, core)
 
@@ -152,51 +158,123 @@ def attention_env(model: Path) -> dict[str, str]:
 def run_cell(cell: Cell, work: Path, cores: str | None = None) -> CellResult:
     """Run one engine cell in a fresh interpreter, its files in ``work``; (record or None, combined
     output tail). ``cores``: vLLM's OpenMP threads bind ("0|1" at TP=2 and "0" at TP=1 unless given)."""
+    return run_cells((cell,), work, cores)[cell]
+
+
+def run_cells(cells: tuple[Cell, ...], work: Path, cores: str | None = None) -> dict[Cell, CellResult]:
+    """Run engine cells one after another in ONE fresh interpreter (one apply(), one generator per
+    cell): cells whose process would be the same (``Cell.process_key``) and the same attention
+    backend option. Each cell gets its record, or None and the process's output tail."""
     import torch
 
-    speculators_dir = require_speculators(cell.speculators)
+    first = cells[0]
+    if any(cell.process_key != first.process_key for cell in cells):
+        raise ValueError(f"cells of different processes in one run: {[c.name for c in cells]}")
+    speculators_dir = require_speculators(first.speculators)
     all_prompts = prompts()
-    spec: dict[str, Any] = {
-        "model": str(model_dir(cell.family)),
-        "tp": cell.tp,
-        "layer_ids": LAYER_IDS,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": all_prompts,
-        "chunk_budget": CHUNK_BUDGET,
-        "chunk_prompts": [p for p in all_prompts if len(p) <= CHUNK_BUDGET],
-        "chunk_prompts_long": all_prompts,
-        "big_batch": big_batch(),
-        "apply": cell.apply,
-        "disable": list(cell.disable),
-        "max_num_batched_tokens": cell.max_num_batched_tokens,
-        "fault": True,
-    }
-    spec_path = work / f"{cell.name}.json"
-    out_path = work / f"{cell.name}.pt"
-    out_path.unlink(missing_ok=True)
-    spec_path.write_text(json.dumps(spec))
+    specs, backend = [], None
+    for cell in cells:
+        model = model_dir(cell.family)
+        wanted = attention_env(model)
+        if backend is not None and wanted != backend:
+            raise ValueError(f"{cell.name}: attention backend {wanted} differs from {backend} of {first.name}")
+        backend = wanted
+        out_path = work / f"{cell.name}.pt"
+        out_path.unlink(missing_ok=True)
+        specs.append(
+            {
+                "out": str(out_path),
+                "model": str(model),
+                "tp": cell.tp,
+                "layer_ids": LAYER_IDS,
+                "max_model_len": MAX_MODEL_LEN,
+                "prompts": all_prompts,
+                "chunk_budget": CHUNK_BUDGET,
+                "chunk_prompts": [p for p in all_prompts if len(p) <= CHUNK_BUDGET],
+                "chunk_prompts_long": all_prompts,
+                "big_batch": big_batch(),
+                "apply": cell.apply,
+                "disable": list(cell.disable),
+                "max_num_batched_tokens": cell.max_num_batched_tokens,
+                "fault": True,
+            }
+        )
+    spec_path = work / f"{first.name}.json"
+    spec_path.write_text(json.dumps(specs))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(speculators_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["VLLM_CPU_OMP_THREADS_BIND"] = cores or "|".join(str(i) for i in range(cell.tp))
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = cell.method
-    env.update(cell.env)
-    env.update(attention_env(Path(spec["model"])))
+    env["VLLM_CPU_OMP_THREADS_BIND"] = cores or "|".join(str(i) for i in range(first.tp))
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = first.method
+    env.update(first.env)
+    env.update(backend or {})
     proc = subprocess.run(
-        [sys.executable, str(HERE / "cells" / "engine_cell.py"), str(spec_path), str(out_path)],
+        [sys.executable, str(HERE / "cells" / "engine_cell.py"), str(spec_path)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=900 * len(cells),
     )
     # Colour codes (vLLM colours its log prefixes on some releases) would eat the kept tail, and a
     # worker's root error can lie before the last 6000 characters: the first error line is kept last.
     text = ANSI_CODES.sub("", proc.stdout + proc.stderr)
     first_error = next((line.strip() for line in text.splitlines() if ERROR_LINE.search(line)), None)
     output = text[-6000:] + (f"\nfirst error: {first_error}" if first_error else "")
-    if proc.returncode != 0 or not out_path.exists():
-        return None, output
-    return torch.load(out_path, weights_only=False), output
+    results: dict[Cell, CellResult] = {}
+    for cell, spec in zip(cells, specs, strict=True):
+        out_path = Path(spec["out"])
+        results[cell] = (torch.load(out_path, weights_only=False), output) if out_path.exists() else (None, output)
+    return results
+
+
+@dataclass(frozen=True)
+class CellGroup:
+    """Engine cells run in one driver process, one after another (``run_cells``): what the pool runs
+    in place of cells that differ only in their model, so the driver's imports and ``apply()`` (7 to
+    12 s of a cell's 22 to 35 s on 2 cores) are paid once per group. Every cell still gets its own
+    generator, engine and workers, shut down before the next."""
+
+    cells: tuple[Cell, ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(cell.name for cell in self.cells)
+
+    @property
+    def cores(self) -> int:
+        return self.cells[0].cores
+
+    def run(self, work: Path, core: str | None) -> dict[Cell, CellResult]:
+        return run_cells(self.cells, work, core)
+
+
+def family_uses_mla(family: str) -> bool:
+    """From the family's description, before its model is built (the pool groups cells up front)."""
+    from tiny_models import MODEL_FAMILIES, WRAPPER_FAMILIES
+
+    text = WRAPPER_FAMILIES[family].text_family if family in WRAPPER_FAMILIES else family
+    return "kv_lora_rank" in MODEL_FAMILIES[text].config_kwargs
+
+
+def grouped(jobs: list[Job[Any]]) -> tuple[list[Job[Any]], dict[Cell, CellGroup]]:
+    """The jobs with every set of engine cells of one process kind (``Cell.process_key``, and MLA or not:
+    the attention backend option is read at ``apply()``) replaced by one ``CellGroup``, at the place of
+    its first cell; and which group runs each grouped cell."""
+    members: dict[tuple[Any, ...], list[Cell]] = {}
+    for job in jobs:
+        if isinstance(job, Cell):
+            members.setdefault((job.process_key, family_uses_mla(job.family)), []).append(job)
+    group_of: dict[Cell, CellGroup] = {}
+    for cells in members.values():
+        if len(cells) > 1:
+            group = CellGroup(tuple(cells))
+            group_of.update({cell: group for cell in cells})
+    out: list[Job[Any]] = []
+    for job in jobs:
+        job = group_of.get(job, job) if isinstance(job, Cell) else job
+        if job not in out:
+            out.append(job)
+    return out, group_of
 
 
 class CellPool:
@@ -206,7 +284,7 @@ class CellPool:
     them slows their collective calls several fold). ``result(job)`` waits for that job's run."""
 
     def __init__(self, jobs: Iterable[Job[Any]], work: Path) -> None:
-        ordered = list(dict.fromkeys(jobs))
+        ordered, self._group_of = grouped(list(dict.fromkeys(jobs)))
         self._work = work
         self._results: dict[Job[Any], Future[Any]] = {job: Future() for job in ordered}
         self._stopping = threading.Event()
@@ -214,6 +292,9 @@ class CellPool:
         self._thread.start()
 
     def result(self, job: Job[T]) -> T:
+        if isinstance(job, Cell) and job in self._group_of:
+            cell_result: T = self._results[self._group_of[job]].result()[job]
+            return cell_result
         if job not in self._results:
             raise KeyError(f"{job.name} is not among the jobs this session's tests read (jobs_read_by)")
         result: T = self._results[job].result()

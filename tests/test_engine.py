@@ -27,6 +27,7 @@ from engine_harness import (
     CellPool,
     attention_env,
     big_batch,
+    family_uses_mla,
     model_dir,
     prompts,
     record_figure,
@@ -74,8 +75,17 @@ def _layer_mixup_diff(want: list[list[Any]]) -> float:
     )
 
 
+def repeats_other_cells(speculators: str, family: str, tp: int) -> bool:
+    """speculators 0.3.0 with an MLA family at TP=2 repeats what other cells prove: MLA sharded over
+    two ranks (0.4.0.1's MLA cells at TP=2; the captured states are the all-reduced hidden size on
+    every rank, whatever speculators reads them), 0.3.0's capture of MLA layers (its TP=1 MLA cells)
+    and 0.3.0's TP=2 replies (its dense and Qwen3-MoE cells at TP=2). Left out: about a minute of
+    the suite's 2-core run."""
+    return speculators.startswith("0.3") and family_uses_mla(family) and tp == 2
+
+
 # TP=1 first: those cells run two at a time, and the HF references are computed while they do.
-CELLS = [Cell(s, f, tp) for tp in (1, 2) for s in SPECULATORS for f in FAMILIES]
+CELLS = [Cell(s, f, tp) for tp in (1, 2) for s in SPECULATORS for f in FAMILIES if not repeats_other_cells(s, f, tp)]
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.name for c in CELLS])

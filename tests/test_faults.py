@@ -21,17 +21,23 @@ CELLS = Path(__file__).resolve().parent / "cells"
 LIMIT_S = 60
 
 
-def _run(scenario: str, tmp_path: Path, engine_env: EngineEnv, speculators: str = "0.4.0.1") -> dict[str, Any]:
-    out = tmp_path / f"{scenario}.json"
-    env = engine_env(speculators, "0|1")
+SCENARIOS = ("errors", "transfer", "kill")
+
+
+@pytest.fixture(scope="module")
+def fault_records(tmp_path_factory: pytest.TempPathFactory, engine_env: EngineEnv) -> dict[str, Any]:
+    """Every scenario in ONE driver process (one engine each, started after the previous one is shut
+    down): the driver's imports and apply() are paid once, not three times."""
+    out = tmp_path_factory.mktemp("faults") / "faults.json"
     proc = subprocess.run(
-        [sys.executable, str(CELLS / "fault_cell.py"), str(model_dir("qwen3_moe")), scenario, str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, str(CELLS / "fault_cell.py"), str(model_dir("qwen3_moe")), ",".join(SCENARIOS), str(out)],
+        env=engine_env("0.4.0.1", "0|1"), capture_output=True, text=True, timeout=600 * len(SCENARIOS),
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    record: dict[str, Any] = json.loads(out.read_text())
-    record_figure(f"faults-{scenario}", {k: v.get("seconds") for k, v in record.items() if isinstance(v, dict)})
-    return record
+    records: dict[str, Any] = json.loads(out.read_text())
+    for scenario, record in records.items():
+        record_figure(f"faults-{scenario}", {k: v.get("seconds") for k, v in record.items() if isinstance(v, dict)})
+    return records
 
 
 def _assert_loud(outcome: dict[str, Any], exc_type: str, rank: int, in_traceback: str) -> None:
@@ -42,8 +48,8 @@ def _assert_loud(outcome: dict[str, Any], exc_type: str, rank: int, in_traceback
     assert outcome["seconds"] < LIMIT_S, outcome
 
 
-def test_worker_exceptions_are_loud(tmp_path: Path, engine_env: EngineEnv) -> None:
-    record = _run("errors", tmp_path, engine_env)
+def test_worker_exceptions_are_loud(fault_records: dict[str, Any]) -> None:
+    record = fault_records["errors"]
     _assert_loud(record["rpc_empty_rank0"], "AssertionError", 0, "raise_on_rank_0")
     assert "AssertionError: (empty message)" in record["rpc_empty_rank0"]["text"]
     _assert_loud(record["speculators_rpc_empty_rank1"], "RuntimeError", 1, "broken")
@@ -64,8 +70,8 @@ def test_worker_exceptions_are_loud(tmp_path: Path, engine_env: EngineEnv) -> No
     assert record["orphans"] == []
 
 
-def test_killed_worker_is_named(tmp_path: Path, engine_env: EngineEnv) -> None:
-    record = _run("kill", tmp_path, engine_env)
+def test_killed_worker_is_named(fault_records: dict[str, Any]) -> None:
+    record = fault_records["kill"]
     killed = record["killed"]
     assert killed["raised"] == "WorkerError" and killed["exc_type"] == "WorkerProcessDied", killed
     assert killed["rank"] == 1 and "killed by signal 9 (SIGKILL)" in killed["text"], killed
@@ -73,11 +79,11 @@ def test_killed_worker_is_named(tmp_path: Path, engine_env: EngineEnv) -> None:
     assert record["orphans"] == []
 
 
-def test_transfer_faults_are_loud(tmp_path: Path, engine_env: EngineEnv) -> None:
+def test_transfer_faults_are_loud(fault_records: dict[str, Any]) -> None:
     """A NaN is found on the worker (before the copy) and named by request and layer; a worker
     killed half-way through writing its shared-memory segment surfaces as a named dead worker,
     and no segment outlives the executor."""
-    record = _run("transfer", tmp_path, engine_env)
+    record = fault_records["transfer"]
     nan = record["nan"]
     assert nan["raised"] == "ResultContractError", nan
     assert "(layer 2): " in nan["text"] and "non-finite values" in nan["text"], nan["text"]

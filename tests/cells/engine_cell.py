@@ -1,9 +1,14 @@
-"""One real-engine cell, run in a fresh interpreter (vLLM workers are spawned processes).
+"""Real-engine cells, run in one fresh interpreter (vLLM workers are spawned processes): apply()
+once, then one generator per cell, each shut down before the next (the pool groups cells that
+differ only in their model: engine_harness.CellGroup).
 
-Usage: python tests/cells/engine_cell.py SPEC_JSON OUT_PT
-SPEC_JSON: {"model": dir, "tp": int, "layer_ids": [...], "prompts": [[...]], "chunk_budget": int,
-            "chunk_prompts": [[...]], "big_batch": [[...]], "apply": bool, "disable": [...], "max_model_len": int}
-Writes {"results": [...], "repeat_equal": bool, "big_batch": {...}, "chunked": [...] | error text, "timings": {...}}.
+Usage: python tests/cells/engine_cell.py SPECS_JSON
+SPECS_JSON: a list of {"out": path, "model": dir, "tp": int, "layer_ids": [...], "prompts": [[...]],
+            "chunk_budget": int, "chunk_prompts": [[...]], "big_batch": [[...]], "apply": bool,
+            "disable": [...], "max_model_len": int}, every one with the same "apply" and "disable".
+Writes to each "out" {"results": [...], "repeat_equal": bool, "big_batch": {...}, "chunked": [...] | error
+text, "timings": {...}}; a cell that raises prints its traceback, the next one still runs, and the
+process exits 3 at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 
@@ -22,18 +28,32 @@ def _tensors(results: list[dict[str, Any]]) -> list[list[Any]]:
 
 def main() -> None:
     with open(sys.argv[1]) as handle:
-        spec = json.load(handle)
-    out_path = sys.argv[2]
-    record: dict[str, Any] = {"timings": {}}
+        specs = json.load(handle)
+    options = {(spec.get("apply", True), tuple(spec.get("disable", []))) for spec in specs}
+    if len(options) != 1:
+        raise ValueError(f"one process, one apply(): these cells ask for {sorted(options)}")
+    applied: dict[str, Any] = {}
     t0 = time.perf_counter()
-    if spec.get("apply", True):
+    if specs[0].get("apply", True):
         import spec_compat
 
-        report = spec_compat.apply(dtype="float32", disable=spec.get("disable", []))
-        record["applied"] = report.applied
-        record["problems"] = report.problems
-    record["timings"]["apply_s"] = time.perf_counter() - t0
+        report = spec_compat.apply(dtype="float32", disable=specs[0].get("disable", []))
+        applied = {"applied": report.applied, "problems": report.problems}
+    apply_s = time.perf_counter() - t0
+    failed = []
+    for spec in specs:
+        try:
+            run_one(spec, {**applied, "timings": {"apply_s": apply_s}})
+        except Exception:  # noqa: BLE001 - this cell fails its tests; the next one still runs
+            print(f"engine cell {spec['out']} failed:", file=sys.stderr)
+            traceback.print_exc()
+            failed.append(spec["out"])
+        apply_s = 0.0  # paid once, by the first cell
+    if failed:
+        sys.exit(3)
 
+
+def run_one(spec: dict[str, Any], record: dict[str, Any]) -> None:
     import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -119,7 +139,7 @@ def main() -> None:
         record["transfer"]["directory_left"] = bool(directory and os.path.exists(directory))
         del generator, executor
         gc.collect()
-    torch.save(record, out_path)
+    torch.save(record, spec["out"])
 
 
 if __name__ == "__main__":

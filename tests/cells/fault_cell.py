@@ -1,9 +1,11 @@
 """Fault injection against a real TP=2 engine (run in a fresh interpreter).
 
-Usage: python tests/cells/fault_cell.py MODEL_DIR SCENARIO OUT_JSON
-Scenarios: errors (empty-message exceptions on rank 0 / rank 1 only, an exception in the model
-forward), kill (a worker process killed in the middle of generate()), transfer (a NaN in one
-captured layer, then rank 0 killed half-way through writing its shared-memory segment).
+Usage: python tests/cells/fault_cell.py MODEL_DIR SCENARIO[,SCENARIO...] OUT_JSON
+One driver process, one apply(), one engine per scenario (started after the previous one is shut
+down); OUT_JSON holds {scenario: record}. Scenarios: errors (empty-message exceptions on rank 0 /
+rank 1 only, an exception in the model forward), kill (a worker process killed in the middle of
+generate()), transfer (a NaN in one captured layer, then rank 0 killed half-way through writing its
+shared-memory segment).
 Each fault is injected with collective_rpc(callable): functions defined here are pickled by value.
 """
 
@@ -107,10 +109,16 @@ def _capture(fn: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    model, scenario, out_path = sys.argv[1:4]
+    model, scenarios, out_path = sys.argv[1:4]
     import spec_compat
 
     spec_compat.apply(dtype="float32")
+    records = {scenario: run_scenario(model, scenario) for scenario in scenarios.split(",")}
+    with open(out_path, "w") as handle:
+        json.dump(records, handle)
+
+
+def run_scenario(model: str, scenario: str) -> dict[str, Any]:
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     generator = VllmHiddenStatesGenerator(model, layer_ids=[0, 2], max_model_len=128, tensor_parallel_size=2)
@@ -172,8 +180,7 @@ def main() -> None:
     directory = getattr(executor, "transfer_directory", None)
     record["transfer_directory_left"] = bool(directory and os.path.exists(directory))
     record["shutdown_seconds"] = time.perf_counter() - started
-    with open(out_path, "w") as handle:
-        json.dump(record, handle)
+    return record
 
 
 if __name__ == "__main__":
