@@ -6,6 +6,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/tools/provision.sh"
 source "${SPEC_COMPAT_HOME:-$HOME/.cache/spec_compat}/env.sh"
 cd "$REPO"
+# mypy's cache beside the venvs, not in the checkout: a clean clone (CI's) checks in about 2 s instead of
+# 50 s on 2 cores; mypy still re-checks every file whose content changed.
+export MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${SPEC_COMPAT_HOME:-$HOME/.cache/spec_compat}/mypy_cache}"
 "$SPEC_COMPAT_VENV/bin/python" -m ruff check src tests tools noxfile.py
 "$SPEC_COMPAT_VENV/bin/python" -m ruff format --check src tests tools noxfile.py
 "$SPEC_COMPAT_VENV/bin/python" -m mypy
