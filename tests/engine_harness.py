@@ -113,10 +113,12 @@ class Cell:
         return self.tp  # a TP=1 engine keeps about one core busy, each TP rank one
 
     @property
-    def process_key(self) -> tuple[Any, ...]:
+    def driver_key(self) -> tuple[Any, ...]:
         """What the cell's driver process is (its speculators, TP size, worker start method, apply()
-        options, environment): cells with the same key can share one driver (``CellGroup``)."""
-        return (self.speculators, self.tp, self.method, self.apply, self.disable, self.env)
+        options, environment, and MLA or not: the attention backend option is read at apply()):
+        cells with the same key can share one driver (``CellGroup``)."""
+        mla = family_uses_mla(self.family)
+        return (self.speculators, self.tp, self.method, self.apply, self.disable, self.env, mla)
 
     def run(self, work: Path, core: str | None) -> CellResult:
         return run_cell(self, work, core)
@@ -135,20 +137,23 @@ def model_dir(family: str) -> Path:
         return build_model(family, CACHE / "models" / family)
 
 
-def uses_mla(model: Path) -> bool:
-    """Whether vLLM runs ``model`` with MLA attention (a kv_lora_rank, in the config or its text_config)."""
-    config = json.loads((model / "config.json").read_text())
-    return any(part.get("kv_lora_rank") for part in (config, config.get("text_config") or {}))
+def family_uses_mla(family: str) -> bool:
+    """Whether vLLM runs the family's model with MLA attention (a kv_lora_rank in its text model's
+    config), read from the family's description, before the model is built."""
+    from tiny_models import MODEL_FAMILIES, WRAPPER_FAMILIES
+
+    text = WRAPPER_FAMILIES[family].text_family if family in WRAPPER_FAMILIES else family
+    return "kv_lora_rank" in MODEL_FAMILIES[text].config_kwargs
 
 
-def attention_env(model: Path) -> dict[str, str]:
-    """The spec_compat option that picks vLLM's reference MLA backend for an MLA model on CPU, when
+def attention_env(family: str) -> dict[str, str]:
+    """The spec_compat option that picks vLLM's reference MLA backend for an MLA family on CPU, when
     the installed vLLM has it (its AttentionBackendEnum, through VllmConfig.attention_config)."""
     from spec_compat.adapters.driver.attention_backend import attention_backend_names
     from spec_compat.detect import detect
     from spec_compat.options import ATTENTION_BACKEND_ENV
 
-    if not uses_mla(model) or detect().platform != "cpu":
+    if not family_uses_mla(family) or detect().platform != "cpu":
         return {}
     if REFERENCE_MLA_BACKEND not in (attention_backend_names() or []):
         return {}
@@ -163,22 +168,18 @@ def run_cell(cell: Cell, work: Path, cores: str | None = None) -> CellResult:
 
 def run_cells(cells: tuple[Cell, ...], work: Path, cores: str | None = None) -> dict[Cell, CellResult]:
     """Run engine cells one after another in ONE fresh interpreter (one apply(), one generator per
-    cell): cells whose process would be the same (``Cell.process_key``) and the same attention
-    backend option. Each cell gets its record, or None and the process's output tail."""
+    cell): cells whose driver would be the same (``Cell.driver_key``). Each cell gets its record, or
+    None and the process's output tail."""
     import torch
 
     first = cells[0]
-    if any(cell.process_key != first.process_key for cell in cells):
-        raise ValueError(f"cells of different processes in one run: {[c.name for c in cells]}")
+    if any(cell.driver_key != first.driver_key for cell in cells):
+        raise ValueError(f"cells of different drivers in one run: {[c.name for c in cells]}")
     speculators_dir = require_speculators(first.speculators)
     all_prompts = prompts()
-    specs, backend = [], None
+    specs = []
     for cell in cells:
         model = model_dir(cell.family)
-        wanted = attention_env(model)
-        if backend is not None and wanted != backend:
-            raise ValueError(f"{cell.name}: attention backend {wanted} differs from {backend} of {first.name}")
-        backend = wanted
         out_path = work / f"{cell.name}.pt"
         out_path.unlink(missing_ok=True)
         specs.append(
@@ -207,7 +208,7 @@ def run_cells(cells: tuple[Cell, ...], work: Path, cores: str | None = None) -> 
     env["VLLM_CPU_OMP_THREADS_BIND"] = cores or "|".join(str(i) for i in range(first.tp))
     env["VLLM_WORKER_MULTIPROC_METHOD"] = first.method
     env.update(first.env)
-    env.update(backend or {})
+    env.update(attention_env(first.family))
     proc = subprocess.run(
         [sys.executable, str(HERE / "cells" / "engine_cell.py"), str(spec_path)],
         env=env,
@@ -248,22 +249,13 @@ class CellGroup:
         return run_cells(self.cells, work, core)
 
 
-def family_uses_mla(family: str) -> bool:
-    """From the family's description, before its model is built (the pool groups cells up front)."""
-    from tiny_models import MODEL_FAMILIES, WRAPPER_FAMILIES
-
-    text = WRAPPER_FAMILIES[family].text_family if family in WRAPPER_FAMILIES else family
-    return "kv_lora_rank" in MODEL_FAMILIES[text].config_kwargs
-
-
 def grouped(jobs: list[Job[Any]]) -> tuple[list[Job[Any]], dict[Cell, CellGroup]]:
-    """The jobs with every set of engine cells of one process kind (``Cell.process_key``, and MLA or not:
-    the attention backend option is read at ``apply()``) replaced by one ``CellGroup``, at the place of
-    its first cell; and which group runs each grouped cell."""
+    """The jobs with every set of engine cells of one driver (``Cell.driver_key``) replaced by one
+    ``CellGroup``, at the place of its first cell; and which group runs each grouped cell."""
     members: dict[tuple[Any, ...], list[Cell]] = {}
     for job in jobs:
         if isinstance(job, Cell):
-            members.setdefault((job.process_key, family_uses_mla(job.family)), []).append(job)
+            members.setdefault(job.driver_key, []).append(job)
     group_of: dict[Cell, CellGroup] = {}
     for cells in members.values():
         if len(cells) > 1:

@@ -94,7 +94,7 @@ def test_generator_matches_hf(cell: Cell, engine_cells: CellPool) -> None:
     record, output = engine_cells.result(cell)
     assert record is not None, f"engine cell failed:\n{output}"
     assert record["problems"] == [], record["problems"]
-    if attention_env(model_dir(cell.family)):
+    if attention_env(cell.family):
         # an MLA model: vLLM's reference CPU backend, asked for explicitly (not AMX_MLA, bfloat16 only)
         assert "attention-backend" in record["applied"], record["applied"]
         assert not record["chunked_prefill"], "vLLM took an AMX MLA path (chunked prefill on), not CPU_MLA"
