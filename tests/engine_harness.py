@@ -44,8 +44,9 @@ T_co = TypeVar("T_co", covariant=True)
 class Job(Protocol[T_co]):
     """One run of the session's pool (CellPool): a test parameter, or named by a ``reads`` mark for a
     fixture, hashable (one run however many tests read it). ``cores``: 1 runs beside another one-core
-    job, 2 alone. ``run(work, core)`` in its own empty directory ``work``; ``core``: the core its
-    vLLM threads bind to ("0" or "1"; None for a two-core job)."""
+    job, 2 alone, unless the job also says ``beside = True`` (``runs_beside``). ``run(work, core)`` in
+    its own empty directory ``work``; ``core``: the core its vLLM threads bind to ("0" or "1"; None
+    for a two-core job)."""
 
     @property
     def name(self) -> str: ...
@@ -54,6 +55,13 @@ class Job(Protocol[T_co]):
     def cores(self) -> int: ...
 
     def run(self, work: Path, core: str | None) -> T_co: ...
+
+
+def runs_beside(job: Job[Any]) -> bool:
+    """Whether a two-core job may run beside another such job: it says ``beside = True`` because what
+    it checks is its own processes' behaviour (errors, exits, memory, results), with time limits that
+    hold on a loaded machine, not how fast a collective call is."""
+    return job.cores > 1 and getattr(job, "beside", False) is True
 
 
 def speculators_installs() -> dict[str, Path]:
@@ -73,6 +81,18 @@ def require_speculators(version: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return installs[version]
+
+
+def engine_process_env(speculators: str, threads_bind: str) -> dict[str, str]:
+    """The environment of a subprocess that starts a real CPU engine: this process's, that speculators
+    install on PYTHONPATH (skipped, or failed under CI, when it is not provided), the KV cache at 1 GiB
+    unless set, and vLLM's OpenMP threads bound to ``threads_bind`` ("0", "0|1": one core per TP rank)."""
+    return dict(
+        os.environ,
+        PYTHONPATH=str(require_speculators(speculators)),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND=threads_bind,
+    )
 
 
 def prompts(seed: int = 1234, vocab: int = 500) -> list[list[int]]:
@@ -273,7 +293,8 @@ class CellPool:
     """The session's jobs (engine cells and the other runs tests only read), each run once, ahead of
     the tests that read them, in background threads: the one-core jobs two at a time, each on its
     own core, then the two-core jobs one at a time (their two ranks take both cores; a process beside
-    them slows their collective calls several fold). ``result(job)`` waits for that job's run."""
+    them slows their collective calls several fold), then the two-core jobs that may run beside
+    another (``runs_beside``) two at a time. ``result(job)`` waits for that job's run."""
 
     def __init__(self, jobs: Iterable[Job[Any]], work: Path) -> None:
         ordered, self._group_of = grouped(list(dict.fromkeys(jobs)))
@@ -310,8 +331,14 @@ class CellPool:
                 if job.cores == 1:
                     pair.submit(self._run_on_a_free_core, job, free_cores)
         for job in jobs:
-            if job.cores > 1:
+            if job.cores > 1 and not runs_beside(job):
                 self._run(job, None)
+        # Two at a time: a TP=2 engine alone keeps the two cores about 60 % busy (its driver's imports
+        # and apply(), one core; its shutdown) and these jobs check no speed.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="beside") as pair:
+            for job in jobs:
+                if runs_beside(job):
+                    pair.submit(self._run, job, None)
 
     def _run_on_a_free_core(self, job: Job[Any], free_cores: queue.SimpleQueue[str]) -> None:
         core = free_cores.get()

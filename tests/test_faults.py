@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-from engine_harness import model_dir, record_figure
-
-if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
-    from conftest import EngineEnv
+from engine_harness import CellPool, engine_process_env, model_dir, record_figure
 
 pytestmark = pytest.mark.engine
 CELLS = Path(__file__).resolve().parent / "cells"
@@ -24,17 +22,33 @@ LIMIT_S = 60
 SCENARIOS = ("errors", "transfer", "kill")
 
 
-@pytest.fixture(scope="module")
-def fault_records(tmp_path_factory: pytest.TempPathFactory, engine_env: EngineEnv) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FaultScenarios:
     """Every scenario in ONE driver process (one engine each, started after the previous one is shut
-    down): the driver's imports and apply() are paid once, not three times."""
-    out = tmp_path_factory.mktemp("faults") / "faults.json"
-    proc = subprocess.run(
-        [sys.executable, str(CELLS / "fault_cell.py"), str(model_dir("qwen3_moe")), ",".join(SCENARIOS), str(out)],
-        env=engine_env("0.4.0.1", "0|1"), capture_output=True, text=True, timeout=600 * len(SCENARIOS),
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    records: dict[str, Any] = json.loads(out.read_text())
+    down): the driver's imports and apply() are paid once, not three times. A two-core pool job that
+    runs beside another (``runs_beside``): the limits it checks are on its own processes' events."""
+
+    name = "faults"
+    cores = 2
+    beside = True
+
+    def run(self, work: Path, core: str | None) -> dict[str, Any]:
+        out = work / "faults.json"
+        proc = subprocess.run(
+            [sys.executable, str(CELLS / "fault_cell.py"), str(model_dir("qwen3_moe")), ",".join(SCENARIOS), str(out)],
+            env=engine_process_env("0.4.0.1", "0|1"), capture_output=True, text=True, timeout=600 * len(SCENARIOS),
+        )  # fmt: skip
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        records: dict[str, Any] = json.loads(out.read_text())
+        return records
+
+
+FAULTS = FaultScenarios()
+
+
+@pytest.fixture(scope="module")
+def fault_records(engine_cells: CellPool) -> dict[str, Any]:
+    records = engine_cells.result(FAULTS)
     for scenario, record in records.items():
         record_figure(f"faults-{scenario}", {k: v.get("seconds") for k, v in record.items() if isinstance(v, dict)})
     return records
@@ -48,6 +62,7 @@ def _assert_loud(outcome: dict[str, Any], exc_type: str, rank: int, in_traceback
     assert outcome["seconds"] < LIMIT_S, outcome
 
 
+@pytest.mark.reads(FAULTS)
 def test_worker_exceptions_are_loud(fault_records: dict[str, Any]) -> None:
     record = fault_records["errors"]
     _assert_loud(record["rpc_empty_rank0"], "AssertionError", 0, "raise_on_rank_0")
@@ -70,6 +85,7 @@ def test_worker_exceptions_are_loud(fault_records: dict[str, Any]) -> None:
     assert record["orphans"] == []
 
 
+@pytest.mark.reads(FAULTS)
 def test_killed_worker_is_named(fault_records: dict[str, Any]) -> None:
     record = fault_records["kill"]
     killed = record["killed"]
@@ -79,6 +95,7 @@ def test_killed_worker_is_named(fault_records: dict[str, Any]) -> None:
     assert record["orphans"] == []
 
 
+@pytest.mark.reads(FAULTS)
 def test_transfer_faults_are_loud(fault_records: dict[str, Any]) -> None:
     """A NaN is found on the worker (before the copy) and named by request and layer; a worker
     killed half-way through writing its shared-memory segment surfaces as a named dead worker,

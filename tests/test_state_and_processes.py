@@ -6,40 +6,55 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-from engine_harness import Cell, CellPool, big_batch, model_dir, record_figure
+from engine_harness import Cell, CellPool, big_batch, engine_process_env, model_dir, record_figure
 from spec_compat.adapters import transfer
-
-if TYPE_CHECKING:  # the fixture's type only: pytest loads conftest itself
-    from conftest import EngineEnv
 
 pytestmark = pytest.mark.engine
 CELLS = Path(__file__).resolve().parent / "cells"
 CALLS = int(os.environ.get("SPEC_COMPAT_STATE_CALLS", "200"))
 
 
-def _cell(script: str, tmp_path: Path, tp: int, engine_env: EngineEnv) -> tuple[dict[str, Any], str]:
-    out = tmp_path / f"{script}.json"
-    env = engine_env("0.4.0.1", "0|1" if tp == 2 else "0")
-    proc = subprocess.run(
-        [sys.executable, str(CELLS / script), str(model_dir("qwen3_moe")), str(tp), str(CALLS), str(out)],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return json.loads(out.read_text()), proc.stdout + proc.stderr
+@dataclass(frozen=True)
+class CallsCell:
+    """``script`` (state_cell.py: the generator; llm_rss_cell.py: vLLM's own LLM, the baseline) making
+    CALLS calls on a TP=2 MoE engine; (record, output). A two-core pool job that runs beside another
+    (``runs_beside``): what it records is results and memory, not time."""
+
+    script: str
+    cores = 2
+    beside = True
+
+    @property
+    def name(self) -> str:
+        return f"calls-{self.script.removesuffix('.py')}"
+
+    def run(self, work: Path, core: str | None) -> tuple[dict[str, Any], str]:
+        out = work / f"{self.script}.json"
+        proc = subprocess.run(
+            [sys.executable, str(CELLS / self.script), str(model_dir("qwen3_moe")), "2", str(CALLS), str(out)],
+            env=engine_process_env("0.4.0.1", "0|1"), capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        return json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+STATE, LLM_BASELINE = CallsCell("state_cell.py"), CallsCell("llm_rss_cell.py")
 
 
 def _growth(record: dict[str, Any]) -> list[int]:
     return [end - mid for end, mid in zip(record["rss_end"], record["rss_after_10"], strict=True)]
 
 
-def test_repeated_calls_match_single_calls_and_memory_is_flat(tmp_path: Path, engine_env: EngineEnv) -> None:
-    record, output = _cell("state_cell.py", tmp_path, tp=2, engine_env=engine_env)
-    baseline, _ = _cell("llm_rss_cell.py", tmp_path, tp=2, engine_env=engine_env)
+@pytest.mark.reads(STATE, LLM_BASELINE)
+def test_repeated_calls_match_single_calls_and_memory_is_flat(engine_cells: CellPool) -> None:
+    record, output = engine_cells.result(STATE)
+    baseline, _ = engine_cells.result(LLM_BASELINE)
     # speculators issue 279 was state leaking between calls: every result of the varied batches
     # must equal the fresh single-prompt call (float32; allow rounding if kernels reorder sums).
     assert record["max_rel_diff_vs_single"] <= 1e-5, record

@@ -2,8 +2,9 @@
 
 Usage: python tests/cells/hang_cell.py MODEL_DIR RPC_TIMEOUT_S OUT_JSON
 Two engines one after the other: rank 1 (not the reply rank) blocks, then rank 0 (the reply rank).
-For each: a healthy call first (the deadline does not fire on it), the blocked call (WorkerTimeout
-expected), a later call (EngineStopped expected at once), and the worker processes left.
+For each: a healthy call first (the deadline does not fire on it; inductor's one-time ISA probe is
+done before it, prepare_first_step), the blocked call (WorkerTimeout expected), a later call
+(EngineStopped expected at once), and the worker processes left.
 The block is injected with collective_rpc(callable): functions defined here are pickled by value.
 """
 
@@ -37,6 +38,19 @@ def block_rank_1(worker: Any) -> None:
     _block_on(worker, 1)
 
 
+def prepare_first_step(worker: Any) -> None:
+    """At TP > 1 vLLM compiles its vocabulary-parallel embedding's masking with inductor (on CPU,
+    enforce_eager or not), and the first compiled graph a process loads makes inductor probe the CPU's
+    vector ISA by building and loading a test library in fresh Python processes: 2-3 s of the first
+    model step on 2 idle cores, past the 8 s deadline on a loaded machine. Done here, in a callable
+    RPC (no deadline), so the healthy call measures the deadline and not that probe."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+    except ImportError:  # a torch without it: nothing to prepare
+        return
+    pick_vec_isa()
+
+
 def _capture(fn: Any) -> dict[str, Any]:
     def details(exc: Exception) -> dict[str, Any]:
         return {
@@ -63,6 +77,7 @@ def main() -> None:
         executor = generator.executor
         pids = [h.proc.pid for h in executor.workers]
         case: dict[str, Any] = {"pids": pids, "watchdog_directory": executor.watchdog_directory}
+        executor.collective_rpc(prepare_first_step)
         case["healthy"] = _capture(lambda g=generator: g.generate(prompts))
         executor.collective_rpc(inject)
         case["blocked"] = _capture(lambda g=generator: g.generate(prompts))

@@ -1,13 +1,15 @@
-"""The pool's grouping of engine cells (engine_harness.grouped): which cells share a driver process."""
+"""The pool's grouping of engine cells (engine_harness.grouped): which cells share a driver process; and
+which two-core jobs run beside another (engine_harness.runs_beside)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped
+from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped, runs_beside
 
 
 class Other:
@@ -70,3 +72,28 @@ def test_a_grouped_cell_reads_its_own_part_of_the_groups_result(tmp_path: Path, 
     assert pool.result(a) == ({"family": "dense"}, "")
     pool.wait()
     assert ran == [(a, b)]  # one process for both
+
+
+class TwoCores:
+    """A two-core job that records when it ran (``beside``: whether it may run beside another)."""
+
+    cores = 2
+
+    def __init__(self, name: str, beside: bool, log: list[tuple[str, str]]) -> None:
+        self.name, self.beside, self.log = name, beside, log
+
+    def run(self, work: Path, core: str | None) -> None:
+        self.log.append(("start", self.name))
+        time.sleep(0.3)
+        self.log.append(("end", self.name))
+
+
+def test_two_core_jobs_run_alone_and_those_marked_beside_two_at_a_time(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    alone = [TwoCores(f"alone{i}", False, log) for i in range(2)]
+    beside = [TwoCores(f"beside{i}", True, log) for i in range(2)]
+    assert not runs_beside(alone[0]) and runs_beside(beside[0]) and not runs_beside(Other())
+    pool = CellPool([beside[0], alone[0], beside[1], alone[1]], tmp_path)
+    pool.wait()
+    assert log[:4] == [("start", "alone0"), ("end", "alone0"), ("start", "alone1"), ("end", "alone1")]
+    assert sorted(log[4:6]) == [("start", "beside0"), ("start", "beside1")]  # both started before either ended
