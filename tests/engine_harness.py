@@ -43,10 +43,10 @@ T_co = TypeVar("T_co", covariant=True)
 @runtime_checkable
 class Job(Protocol[T_co]):
     """One run of the session's pool (CellPool): a test parameter, or named by a ``reads`` mark for a
-    fixture, hashable (one run however many tests read it). ``cores``: 1 runs beside another one-core
-    job, 2 alone, unless the job also says ``beside = True`` (``runs_beside``). ``run(work, core)`` in
-    its own empty directory ``work``; ``core``: the core its vLLM threads bind to ("0" or "1"; None
-    for a two-core job)."""
+    fixture, hashable (one run however many tests read it). ``cores``: 1 runs on one core beside
+    another one-core job, 2 on both cores beside another two-core job. ``run(work, core)`` in its own
+    empty directory ``work``; ``core``: the core its vLLM threads bind to ("0" or "1"; None for a
+    two-core job)."""
 
     @property
     def name(self) -> str: ...
@@ -55,13 +55,6 @@ class Job(Protocol[T_co]):
     def cores(self) -> int: ...
 
     def run(self, work: Path, core: str | None) -> T_co: ...
-
-
-def runs_beside(job: Job[Any]) -> bool:
-    """Whether a two-core job may run beside another such job: it says ``beside = True`` because what
-    it checks is its own processes' behaviour (errors, exits, memory, results), with time limits that
-    hold on a loaded machine, not how fast a collective call is."""
-    return job.cores > 1 and getattr(job, "beside", False) is True
 
 
 def speculators_installs() -> dict[str, Path]:
@@ -292,9 +285,7 @@ def grouped(jobs: list[Job[Any]]) -> tuple[list[Job[Any]], dict[Cell, CellGroup]
 class CellPool:
     """The session's jobs (engine cells and the other runs tests only read), each run once, ahead of
     the tests that read them, in background threads: the one-core jobs two at a time, each on its
-    own core, then the two-core jobs one at a time (their two ranks take both cores; a process beside
-    them slows their collective calls several fold), then the two-core jobs that may run beside
-    another (``runs_beside``) two at a time. ``result(job)`` waits for that job's run."""
+    own core, then the two-core jobs two at a time. ``result(job)`` waits for that job's run."""
 
     def __init__(self, jobs: Iterable[Job[Any]], work: Path) -> None:
         ordered, self._group_of = grouped(list(dict.fromkeys(jobs)))
@@ -330,14 +321,12 @@ class CellPool:
             for job in jobs:
                 if job.cores == 1:
                     pair.submit(self._run_on_a_free_core, job, free_cores)
-        for job in jobs:
-            if job.cores > 1 and not runs_beside(job):
-                self._run(job, None)
-        # Two at a time: a TP=2 engine alone keeps the two cores about 60 % busy (its driver's imports
-        # and apply(), one core; its shutdown) and these jobs check no speed.
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="beside") as pair:
+        # Two at a time, the ranks of both sharing the two cores: a TP=2 job alone leaves them idle
+        # for much of its run (its driver's imports and apply() take one core; the shutdowns wait),
+        # and none checks its speed (results, errors, exits and memory), only limits far above it.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cell-pair") as pair:
             for job in jobs:
-                if runs_beside(job):
+                if job.cores > 1:
                     pair.submit(self._run, job, None)
 
     def _run_on_a_free_core(self, job: Job[Any], free_cores: queue.SimpleQueue[str]) -> None:

@@ -25,12 +25,11 @@ SCENARIOS = ("errors", "transfer", "kill")
 @dataclass(frozen=True)
 class FaultScenarios:
     """Every scenario in ONE driver process (one engine each, started after the previous one is shut
-    down): the driver's imports and apply() are paid once, not three times. A two-core pool job that
-    runs beside another (``runs_beside``): the limits it checks are on its own processes' events."""
+    down): the driver's imports and apply() are paid once, not three times. A two-core pool job: the
+    limits it checks are on its own processes' events."""
 
     name = "faults"
     cores = 2
-    beside = True
 
     def run(self, work: Path, core: str | None) -> dict[str, Any]:
         out = work / "faults.json"

@@ -4,8 +4,8 @@ rank, with its Python stack, within the deadline plus the shutdown, and no worke
 call fails at once. A driver interrupted by SIGINT / SIGTERM in the middle of generate() exits
 within seconds with its workers gone; a second SIGINT forces the exit.
 
-Each run is a pool job that runs beside another (``runs_beside``): its own driver process with its
-own engine, every limit checked on that process's own events."""
+Each run is a two-core pool job (beside another two-core job): its own driver process with its own
+engine, every limit checked on that process's own events, far above what it takes on a loaded machine."""
 
 from __future__ import annotations
 
@@ -39,11 +39,10 @@ SIGNAL_CASES = {
 @dataclass(frozen=True)
 class BlockedRank:
     """hang_cell.py's record: rank 1, then rank 0, blocked forever (one engine each). A two-core pool
-    job that runs beside another (``runs_beside``)."""
+    job."""
 
     name = "hang-blocked-rank"
     cores = 2
-    beside = True
 
     def run(self, work: Path, core: str | None) -> dict[str, Any]:
         out = work / "hang.json"
@@ -62,11 +61,10 @@ BLOCKED = BlockedRank()
 @dataclass(frozen=True)
 class Interrupted:
     """signal_client.py interrupted in generate() by its case's signals (``SIGNAL_CASES``). A two-core
-    pool job that runs beside another (``runs_beside``)."""
+    pool job."""
 
     case: str
     cores = 2
-    beside = True
 
     @property
     def name(self) -> str:

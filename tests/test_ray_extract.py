@@ -14,8 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,9 +110,105 @@ def reference(engine_cells: CellPool) -> tuple[Path, Path]:
     return data, out
 
 
-@pytest.mark.reads(SINGLE)
+def _speculators_hs_run(work: Path, data: Path) -> dict[str, Any]:
+    out = work / "replicas"
+    return {"out": out, "proc": _run(_command(data, out, "--replicas", "2", "--format", "speculators-hs"))}
+
+
+def _killed_workers_run(work: Path, data: Path) -> dict[str, Any]:
+    """Each replica's vLLM worker is SIGKILLed as soon as the replica is ready (the first of each slot:
+    on a loaded machine the other may still be loading when the work is done)."""
+    out, log = work / "faults", work / "faults.log"
+    with log.open("w") as handle:
+        proc = subprocess.Popen(_command(data, out, "--replicas", "2"), env=_env(), stdout=handle, stderr=handle,
+                                text=True, start_new_session=True)  # fmt: skip
+    killed: dict[str, int] = {}
+    try:
+        until = time.monotonic() + 500
+        while proc.poll() is None and time.monotonic() < until:
+            for replica, pids in READY.findall(log.read_text()):
+                if replica not in killed:
+                    killed[replica] = int(pids.split()[0])
+                    with contextlib.suppress(ProcessLookupError):  # the job ended meanwhile
+                        os.kill(killed[replica], signal.SIGKILL)
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return {
+        "out": out, "returncode": proc.returncode, "stderr": log.read_text(), "killed": killed,
+        "group_gone": process_group_gone(proc.pid),
+    }  # fmt: skip
+
+
+def _interrupted_run(work: Path, data: Path) -> dict[str, Any]:
+    """SIGINT once manifest.json lists >= 8 samples; then the samples kept (with their files' times)
+    and a rerun with one replica into the same folder."""
+    out, log = work / "interrupted", work / "interrupted.log"
+    with log.open("w") as handle:
+        proc = subprocess.Popen(_command(data, out, "--replicas", "2"), env=_env(), stdout=handle, stderr=handle,
+                                text=True, start_new_session=True)  # fmt: skip
+    try:
+        until = time.monotonic() + 400
+        manifest = out / "manifest.json"
+        while not (manifest.exists() and len(json.loads(manifest.read_text())["samples"]) >= 8):
+            _watch(proc, log, until)
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        to_exit = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    record: dict[str, Any] = {
+        "out": out, "returncode": proc.returncode, "stderr": log.read_text(), "to_exit": to_exit,
+        "group_gone": process_group_gone(proc.pid),
+    }  # fmt: skip
+    if proc.returncode == 128 + signal.SIGINT:
+        kept = record["kept"] = _listed(out)
+        record["mtimes"] = {k: (out / str(v["file"])).stat().st_mtime_ns for k, v in kept.items()}
+        record["rerun"] = _run(_command(data, out, "--replicas", "1"), one_core="0")  # a user's binding is kept
+    return record
+
+
+RUNS = {"speculators-hs": _speculators_hs_run, "killed-workers": _killed_workers_run, "interrupted": _interrupted_run}
+
+
+@dataclass(frozen=True)
+class RayRuns:
+    """The runs with ``--replicas`` (``RUNS``) one after another, so that one Ray runs at a time on the
+    machine, on the reference's dataset (written again here: it is seeded); each run's record, or the
+    error that stopped it, as a Future. A two-core pool job: its replicas take a core each, and what the
+    tests check is files, exits and messages."""
+
+    name = "ray-runs"
+    cores = 2
+
+    def run(self, work: Path, core: str | None) -> dict[str, Future[dict[str, Any]]]:
+        data = _dataset(work / "data.jsonl")
+        records: dict[str, Future[dict[str, Any]]] = {}
+        for label, fn in RUNS.items():
+            records[label] = Future()
+            (work / label).mkdir()
+            try:
+                records[label].set_result(fn(work / label, data))
+            except Exception as exc:  # noqa: BLE001 - raised again in the test that reads this run
+                records[label].set_exception(exc)
+        return records
+
+
+RAY = RayRuns()
+
+
+def _ray_run(pool: CellPool, label: str) -> dict[str, Any]:
+    return pool.result(RAY)[label].result()
+
+
+@pytest.mark.reads(SINGLE, RAY)
 def test_two_replicas_write_speculators_hs_with_the_single_process_states_and_hf_states(
-    reference: tuple[Path, Path], tmp_path: Path
+    reference: tuple[Path, Path], engine_cells: CellPool
 ) -> None:
     """--format speculators-hs through two replicas: the dataset lists every line, each hs file holds the
     single-process speculators-v1 run's tokens and states (the same threads and batches: bitwise), and
@@ -119,8 +217,8 @@ def test_two_replicas_write_speculators_hs_with_the_single_process_states_and_hf
     from safetensors.torch import load_file
 
     data, single = reference
-    out = tmp_path / "replicas"
-    proc = _run(_command(data, out, "--replicas", "2", "--format", "speculators-hs"))
+    record = _ray_run(engine_cells, "speculators-hs")
+    out, proc = record["out"], record["proc"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"0 done, {SAMPLES} to do" in proc.stderr and "Traceback" not in proc.stderr
     listed = _listed(out)
@@ -167,34 +265,16 @@ def _watch(proc: subprocess.Popen[str], log: Path, until: float) -> str:
     return text
 
 
-@pytest.mark.reads(SINGLE)
+@pytest.mark.reads(SINGLE, RAY)
 def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
-    reference: tuple[Path, Path], tmp_path: Path
+    reference: tuple[Path, Path], engine_cells: CellPool
 ) -> None:
-    """Each replica's vLLM worker is SIGKILLed as soon as the replica is ready (the first of each slot:
-    on a loaded machine the other may still be loading when the work is done): the batches it held go
-    back to the queue, a new replica takes over."""
-    data, single = reference
-    out, log = tmp_path / "faults", tmp_path / "faults.log"
-    with log.open("w") as handle:
-        proc = subprocess.Popen(_command(data, out, "--replicas", "2"), env=_env(), stdout=handle, stderr=handle,
-                                text=True, start_new_session=True)  # fmt: skip
-    killed: dict[str, int] = {}
-    try:
-        until = time.monotonic() + 500
-        while proc.poll() is None and time.monotonic() < until:
-            for replica, pids in READY.findall(log.read_text()):
-                if replica not in killed:
-                    killed[replica] = int(pids.split()[0])
-                    with contextlib.suppress(ProcessLookupError):  # the job ended meanwhile
-                        os.kill(killed[replica], signal.SIGKILL)
-            time.sleep(0.05)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    stderr = log.read_text()
-    assert proc.returncode == 0, stderr[-4000:]
+    """Each replica's vLLM worker is SIGKILLed as soon as the replica is ready (``_killed_workers_run``):
+    the batches it held go back to the queue, a new replica takes over."""
+    _, single = reference
+    record = _ray_run(engine_cells, "killed-workers")
+    out, killed, stderr = record["out"], record["killed"], record["stderr"]
+    assert record["returncode"] == 0, stderr[-4000:]
     assert killed, stderr[-4000:]
     # the first replica ready had batches for certain; a later one may have found the queue empty
     first = next(iter(killed))
@@ -210,41 +290,24 @@ def test_killed_vllm_workers_replicas_restart_and_every_sample_is_written_once(
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["replicas"][int(first)]["restarts"] == 1
     assert sum(r["samples"] for r in stats["replicas"]) == SAMPLES
-    assert process_group_gone(proc.pid), "a process of the job outlived it"
+    assert record["group_gone"], "a process of the job outlived it"
     print(f"killed workers {killed}; per replica: {[(r['batches'], r['engine_start_s']) for r in stats['replicas']]}")
 
 
-@pytest.mark.reads(SINGLE)
+@pytest.mark.reads(SINGLE, RAY)
 def test_interrupted_job_stops_cleanly_and_a_rerun_finishes_the_rest(
-    reference: tuple[Path, Path], tmp_path: Path
+    reference: tuple[Path, Path], engine_cells: CellPool
 ) -> None:
-    data, single = reference
-    out, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
-    with log.open("w") as handle:
-        proc = subprocess.Popen(_command(data, out, "--replicas", "2"), env=_env(), stdout=handle, stderr=handle,
-                                text=True, start_new_session=True)  # fmt: skip
-    try:
-        until = time.monotonic() + 400
-        manifest = out / "manifest.json"
-        while not (manifest.exists() and len(json.loads(manifest.read_text())["samples"]) >= 8):
-            _watch(proc, log, until)
-            time.sleep(0.05)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-        to_exit = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    stderr = log.read_text()
-    assert proc.returncode == 128 + signal.SIGINT, stderr[-4000:]
+    _, single = reference
+    record = _ray_run(engine_cells, "interrupted")
+    out, stderr = record["out"], record["stderr"]
+    assert record["returncode"] == 128 + signal.SIGINT, stderr[-4000:]
     assert "interrupted by SIGINT" in stderr and "Traceback" not in stderr, stderr[-4000:]
-    assert process_group_gone(proc.pid), "a replica or vLLM worker outlived the interrupted job"
-    kept = _listed(out)
+    assert record["group_gone"], "a replica or vLLM worker outlived the interrupted job"
+    kept, mtimes = record["kept"], record["mtimes"]
     assert 8 <= len(kept) < SAMPLES
-    mtimes = {k: (out / str(v["file"])).stat().st_mtime_ns for k, v in kept.items()}
-    print(f"SIGINT: exited {to_exit:.1f} s after the signal, {len(kept)} complete samples kept")
-    rerun = _run(_command(data, out, "--replicas", "1"), one_core="0")  # a binding set by the user is kept
+    print(f"SIGINT: exited {record['to_exit']:.1f} s after the signal, {len(kept)} complete samples kept")
+    rerun = record["rerun"]
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert f"{len(kept)} done, {SAMPLES - len(kept)} to do" in rerun.stderr
     _exactly_once(out, single)

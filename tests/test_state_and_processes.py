@@ -23,12 +23,11 @@ CALLS = int(os.environ.get("SPEC_COMPAT_STATE_CALLS", "200"))
 @dataclass(frozen=True)
 class CallsCell:
     """``script`` (state_cell.py: the generator; llm_rss_cell.py: vLLM's own LLM, the baseline) making
-    CALLS calls on a TP=2 MoE engine; (record, output). A two-core pool job that runs beside another
-    (``runs_beside``): what it records is results and memory, not time."""
+    CALLS calls on a TP=2 MoE engine; (record, output). A two-core pool job: what it records is
+    results and memory, not time."""
 
     script: str
     cores = 2
-    beside = True
 
     @property
     def name(self) -> str:

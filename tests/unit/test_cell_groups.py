@@ -1,5 +1,5 @@
 """The pool's grouping of engine cells (engine_harness.grouped): which cells share a driver process; and
-which two-core jobs run beside another (engine_harness.runs_beside)."""
+which jobs run at once (engine_harness.CellPool)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped, runs_beside
+from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped
 
 
 class Other:
@@ -75,12 +75,12 @@ def test_a_grouped_cell_reads_its_own_part_of_the_groups_result(tmp_path: Path, 
 
 
 class TwoCores:
-    """A two-core job that records when it ran (``beside``: whether it may run beside another)."""
+    """A two-core job that records when it started and ended."""
 
     cores = 2
 
-    def __init__(self, name: str, beside: bool, log: list[tuple[str, str]]) -> None:
-        self.name, self.beside, self.log = name, beside, log
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        self.name, self.log = name, log
 
     def run(self, work: Path, core: str | None) -> None:
         self.log.append(("start", self.name))
@@ -88,12 +88,11 @@ class TwoCores:
         self.log.append(("end", self.name))
 
 
-def test_two_core_jobs_run_alone_and_those_marked_beside_two_at_a_time(tmp_path: Path) -> None:
+def test_two_core_jobs_run_two_at_a_time_after_the_one_core_jobs(tmp_path: Path) -> None:
     log: list[tuple[str, str]] = []
-    alone = [TwoCores(f"alone{i}", False, log) for i in range(2)]
-    beside = [TwoCores(f"beside{i}", True, log) for i in range(2)]
-    assert not runs_beside(alone[0]) and runs_beside(beside[0]) and not runs_beside(Other())
-    pool = CellPool([beside[0], alone[0], beside[1], alone[1]], tmp_path)
+    first, other, second = TwoCores("first", log), Other(), TwoCores("second", log)
+    pool = CellPool([first, other, second], tmp_path)
+    assert pool.result(other) == "ran"
     pool.wait()
-    assert log[:4] == [("start", "alone0"), ("end", "alone0"), ("start", "alone1"), ("end", "alone1")]
-    assert sorted(log[4:6]) == [("start", "beside0"), ("start", "beside1")]  # both started before either ended
+    assert sorted(log[:2]) == [("start", "first"), ("start", "second")]  # both started before either ended
+    assert sorted(log[2:]) == [("end", "first"), ("end", "second")]
