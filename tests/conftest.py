@@ -25,7 +25,7 @@ def engine_cells(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="module", autouse=True)
 def no_cell_beyond_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
     """The module that started the pool waits at its end until all of its jobs have run, so no
-    engine runs in the background of a later module's own runs (Ray's replicas, doctor's probes)."""
+    engine runs in the background of the processes a later test starts itself."""
     yield
     pool = request.config.stash.get(POOL, None)
     if pool is not None:

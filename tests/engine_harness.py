@@ -46,7 +46,8 @@ class Job(Protocol[T_co]):
     fixture, hashable (one run however many tests read it). ``cores``: 1 runs on one core beside
     another one-core job, 2 on both cores beside another two-core job. ``run(work, core)`` in its own
     empty directory ``work``; ``core``: the core its vLLM threads bind to ("0" or "1"; None for a
-    two-core job)."""
+    two-core job). A job that runs much longer than others may say ``seconds_alone`` (about how long
+    it takes alone on the 2-core machine): the pool starts those first (``longest_first``)."""
 
     @property
     def name(self) -> str: ...
@@ -55,6 +56,12 @@ class Job(Protocol[T_co]):
     def cores(self) -> int: ...
 
     def run(self, work: Path, core: str | None) -> T_co: ...
+
+
+def longest_first(jobs: Iterable[Job[Any]]) -> list[Job[Any]]:
+    """The jobs by their ``seconds_alone`` (0 where not given), the most first, otherwise in their
+    order: a long job started last would end the pool alone, its other lane idle."""
+    return sorted(jobs, key=lambda job: -float(getattr(job, "seconds_alone", 0.0)))
 
 
 def speculators_installs() -> dict[str, Path]:
@@ -318,14 +325,14 @@ class CellPool:
         for core in ("0", "1"):
             free_cores.put(core)
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cell") as pair:
-            for job in jobs:
+            for job in longest_first(jobs):
                 if job.cores == 1:
                     pair.submit(self._run_on_a_free_core, job, free_cores)
         # Two at a time, the ranks of both sharing the two cores: a TP=2 job alone leaves them idle
         # for much of its run (its driver's imports and apply() take one core; the shutdowns wait),
         # and none checks its speed (results, errors, exits and memory), only limits far above it.
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cell-pair") as pair:
-            for job in jobs:
+            for job in longest_first(jobs):
                 if job.cores > 1:
                     pair.submit(self._run, job, None)
 

@@ -76,6 +76,17 @@ def sharegpt_file(path: Path, count: int, bad: dict[int, tuple[str, str]] | None
     return path, clean
 
 
+def as_openai_messages(sharegpt: Path, path: Path) -> Path:
+    """The ShareGPT file's conversations written as OpenAI messages, line for line."""
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    with path.open("w") as handle:
+        for line in filter(None, sharegpt.read_text().splitlines()):
+            turns = json.loads(line)["conversations"]
+            messages = [{"role": roles[t["from"]], "content": t["value"]} for t in turns]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
 def _env(speculators: Path | None) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = str(speculators) if speculators else ""
@@ -131,6 +142,7 @@ class Preprocess:
     seed: int = 0
     shards: tuple[tuple[int, int], ...] = ((0, 1),)
     on_error: str = "skip"
+    messages: bool = False  # the file's conversations as OpenAI messages ({"messages": [{role, content}]})
     cores = 1
 
     @property
@@ -139,6 +151,8 @@ class Preprocess:
 
     def run(self, work: Path, core: str | None) -> dict[str, Any]:
         data, clean = sharegpt_file(work / "chat.jsonl", self.count, {line: BAD_LINES[k] for line, k in self.bad})
+        if self.messages:
+            data = as_openai_messages(data, work / "messages.jsonl")
         spec: dict[str, Any] = {"model": str(chat_model(self.template)), "input": str(data), "seed": self.seed}
         spec |= {"shards": [list(shard) for shard in self.shards], "on_error": self.on_error}
         if self.reference:
@@ -184,35 +198,22 @@ def test_samples_equal_speculators_preprocessing(job: Preprocess, engine_cells: 
     assert longest == MAX_MODEL_LEN if regex_path else longest > MAX_MODEL_LEN
 
 
-def test_seed_changes_the_order(tmp_path: Path) -> None:
-    data, _ = sharegpt_file(tmp_path / "chat.jsonl", 8)
-    speculators = require_speculators("0.4.0.1")
-    model = str(chat_model(CHAT_TEMPLATE))
-    cells = run_cells(
-        *((tmp_path / str(seed), speculators, {"model": model, "input": str(data), "seed": seed}) for seed in (0, 1))
-    )
-    runs = [cell["runs"]["0/1"] for cell in cells]
+# eight conversations with the chat template: in the file's order (seed 0), shuffled by seed 1, as OpenAI messages
+CHAT_8 = Preprocess("chat8", "0.4.0.1", CHAT_TEMPLATE, 8, ())
+CHAT_8_SEED_1 = Preprocess("chat8-seed1", "0.4.0.1", CHAT_TEMPLATE, 8, (), seed=1)
+CHAT_8_MESSAGES = Preprocess("chat8-messages", "0.4.0.1", CHAT_TEMPLATE, 8, (), messages=True)
+
+
+@pytest.mark.reads(CHAT_8, CHAT_8_SEED_1)
+def test_seed_changes_the_order(engine_cells: CellPool) -> None:
+    runs = [engine_cells.result(job)["runs"]["0/1"] for job in (CHAT_8, CHAT_8_SEED_1)]
     assert runs[0]["samples"] != runs[1]["samples"]
     assert sorted(s[1] for s in runs[0]["samples"]) == sorted(s[1] for s in runs[1]["samples"])
 
 
-def test_openai_messages_equal_sharegpt(tmp_path: Path) -> None:
-    data, _ = sharegpt_file(tmp_path / "chat.jsonl", 8)
-    roles = {"human": "user", "gpt": "assistant", "system": "system"}
-    with (tmp_path / "messages.jsonl").open("w") as handle:
-        for line in filter(None, data.read_text().splitlines()):
-            turns = json.loads(line)["conversations"]
-            messages = [{"role": roles[t["from"]], "content": t["value"]} for t in turns]
-            handle.write(json.dumps({"messages": messages}) + "\n")
-    speculators = require_speculators("0.4.0.1")
-    model = str(chat_model(CHAT_TEMPLATE))
-    sharegpt, openai = (
-        cell["runs"]["0/1"]
-        for cell in run_cells(
-            (tmp_path / "a", speculators, {"model": model, "input": str(data)}),
-            (tmp_path / "b", speculators, {"model": model, "input": str(tmp_path / "messages.jsonl")}),
-        )
-    )
+@pytest.mark.reads(CHAT_8, CHAT_8_MESSAGES)
+def test_openai_messages_equal_sharegpt(engine_cells: CellPool) -> None:
+    sharegpt, openai = (engine_cells.result(job)["runs"]["0/1"] for job in (CHAT_8, CHAT_8_MESSAGES))
     assert openai == sharegpt and len(openai["samples"]) == 8
 
 

@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from shared_constants import TESTED_SPECULATORS
 
-from engine_harness import require_speculators
+from engine_harness import CellPool, require_speculators
 
 CELLS = Path(__file__).resolve().parent / "cells"
 # Not an engine, but doctor in a fresh interpreter importing vLLM (and its AMX probe): slow, not in -m "not engine".
@@ -32,9 +33,34 @@ def _run_both(first: list[str], second: list[str], speculators: str) -> list[sub
     return done
 
 
-@pytest.mark.parametrize("speculators", TESTED_SPECULATORS)
-def test_doctor_compatible(speculators: str) -> None:
-    proc, table = _run_both(["-m", "spec_compat", "doctor", "--json"], ["-m", "spec_compat", "doctor"], speculators)
+@dataclass(frozen=True)
+class BothAtOnce:
+    """Two commands at once with that speculators (``_run_both``): a two-core pool job."""
+
+    label: str
+    first: tuple[str, ...]
+    second: tuple[str, ...]
+    speculators: str
+    cores = 2
+
+    @property
+    def name(self) -> str:
+        return f"doctor-{self.label}"
+
+    def run(self, work: Path, core: str | None) -> list[subprocess.CompletedProcess[str]]:
+        return _run_both(list(self.first), list(self.second), self.speculators)
+
+
+DOCTOR = ("-m", "spec_compat", "doctor")
+COMPATIBLE = [BothAtOnce(f"spec{s}", (*DOCTOR, "--json"), DOCTOR, s) for s in TESTED_SPECULATORS]
+FIXTURE = str(CELLS / "doctor_fixture.py")
+INCOMPATIBLE = BothAtOnce("incompatible", (FIXTURE, "doctor", "--json"), (FIXTURE, "strict"), "0.4.0.1")
+
+
+@pytest.mark.parametrize("job", COMPATIBLE, ids=TESTED_SPECULATORS)
+def test_doctor_compatible(job: BothAtOnce, engine_cells: CellPool) -> None:
+    speculators = job.speculators
+    proc, table = engine_cells.result(job)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "compatible" and result["exit_code"] == 0
@@ -47,9 +73,9 @@ def test_doctor_compatible(speculators: str) -> None:
     assert table.returncode == 0 and "verdict: compatible" in table.stdout
 
 
-def test_doctor_incompatible_matches_strict_apply() -> None:
-    fixture = str(CELLS / "doctor_fixture.py")
-    proc, strict = _run_both([fixture, "doctor", "--json"], [fixture, "strict"], "0.4.0.1")
+@pytest.mark.parametrize("job", [INCOMPATIBLE], ids=["0.4.0.1"])
+def test_doctor_incompatible_matches_strict_apply(job: BothAtOnce, engine_cells: CellPool) -> None:
+    proc, strict = engine_cells.result(job)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "incompatible"

@@ -30,6 +30,7 @@ class FaultScenarios:
 
     name = "faults"
     cores = 2
+    seconds_alone = 70  # three engines, one after another
 
     def run(self, work: Path, core: str | None) -> dict[str, Any]:
         out = work / "faults.json"

@@ -43,6 +43,7 @@ class BlockedRank:
 
     name = "hang-blocked-rank"
     cores = 2
+    seconds_alone = 65  # two engines, each with a blocked call and its 8 s deadline
 
     def run(self, work: Path, core: str | None) -> dict[str, Any]:
         out = work / "hang.json"

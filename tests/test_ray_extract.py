@@ -185,6 +185,7 @@ class RayRuns:
 
     name = "ray-runs"
     cores = 2
+    seconds_alone = 135  # three extracts of two replicas, each with its own Ray (2-core machine)
 
     def run(self, work: Path, core: str | None) -> dict[str, Future[dict[str, Any]]]:
         data = _dataset(work / "data.jsonl")

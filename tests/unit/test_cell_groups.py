@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped
+from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped, longest_first
 
 
 class Other:
@@ -96,3 +96,10 @@ def test_two_core_jobs_run_two_at_a_time_after_the_one_core_jobs(tmp_path: Path)
     pool.wait()
     assert sorted(log[:2]) == [("start", "first"), ("start", "second")]  # both started before either ended
     assert sorted(log[2:]) == [("end", "first"), ("end", "second")]
+
+
+def test_jobs_that_say_they_are_long_start_first_the_others_keep_their_order() -> None:
+    log: list[tuple[str, str]] = []
+    a, b, long_one = TwoCores("a", log), TwoCores("b", log), TwoCores("long", log)
+    long_one.seconds_alone = 100  # type: ignore[attr-defined]
+    assert longest_first([a, b, long_one]) == [long_one, a, b]
