@@ -364,9 +364,13 @@ class CellPool:
 
 def jobs_read_by(items: Iterable[pytest.Item]) -> list[Job[Any]]:
     """The jobs the collected tests read, in test order: every ``Job`` among their parameters and in
-    their ``reads`` marks (``@pytest.mark.reads(job, ...)``: the jobs a fixture of theirs reads)."""
+    their ``reads`` marks (``@pytest.mark.reads(job, ...)``: the jobs a fixture of theirs reads), of
+    the tests that use the pool (``engine_cells``, themselves or through a fixture): a unit test
+    parametrized with cells only builds them."""
     jobs: list[Job[Any]] = []
     for item in items:
+        if "engine_cells" not in getattr(item, "fixturenames", ()):
+            continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         jobs += [value for value in params.values() if isinstance(value, Job)]
         jobs += [job for mark in item.iter_markers("reads") for job in mark.args]

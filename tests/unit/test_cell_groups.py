@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped, longest_first
+from engine_harness import Cell, CellGroup, CellPool, family_uses_mla, grouped, jobs_read_by, longest_first
 
 
 class Other:
@@ -103,3 +103,24 @@ def test_jobs_that_say_they_are_long_start_first_the_others_keep_their_order() -
     a, b, long_one = TwoCores("a", log), TwoCores("b", log), TwoCores("long", log)
     long_one.seconds_alone = 100  # type: ignore[attr-defined]
     assert longest_first([a, b, long_one]) == [long_one, a, b]
+
+
+class CollectedTest:
+    """What jobs_read_by reads of a collected test: its parameters, fixtures and ``reads`` marks."""
+
+    def __init__(self, params: dict[str, Any], fixturenames: list[str], reads: tuple[Any, ...] = ()) -> None:
+        self.callspec = type("CallSpec", (), {"params": params})()
+        self.fixturenames, self.reads = fixturenames, reads
+
+    def iter_markers(self, name: str) -> list[pytest.Mark]:
+        return [pytest.mark.reads(*self.reads).mark] if name == "reads" and self.reads else []
+
+
+def test_only_the_tests_that_use_the_pool_give_it_jobs() -> None:
+    read, built, marked = Cell("0.4.0.1", "dense", 1), Cell("0.4.0.1", "qwen3_moe", 1), Other()
+    items = [
+        CollectedTest({"cell": built}, ["cell"]),  # a unit test that only builds a cell
+        CollectedTest({"cell": read}, ["cell", "engine_cells"]),
+        CollectedTest({}, ["fixture_reading_the_pool", "engine_cells"], reads=(marked,)),
+    ]
+    assert jobs_read_by(items) == [read, marked]  # type: ignore[arg-type]
