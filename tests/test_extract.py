@@ -20,7 +20,7 @@ import pytest
 import torch
 from shared_constants import LAYER_IDS, MAX_MODEL_LEN
 
-from engine_harness import CellPool, model_dir, process_group_gone, record_figure, require_speculators
+from engine_harness import CellPool, engine_process_env, model_dir, process_group_gone, record_figure
 from spec_compat.extract.fp8 import ERROR_TOKEN_STRIDE
 
 pytestmark = pytest.mark.engine
@@ -47,12 +47,7 @@ def _command(data: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _env(core: str = "0") -> dict[str, str]:
-    return dict(
-        os.environ,
-        PYTHONPATH=str(require_speculators("0.4.0.1")),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        VLLM_CPU_OMP_THREADS_BIND=core,
-    )
+    return engine_process_env("0.4.0.1", core)
 
 
 def _run(cmd: list[str], core: str = "0") -> subprocess.CompletedProcess[str]:
