@@ -89,6 +89,7 @@ DEFAULT_PATHS = PATHS[:5]  # shim_without (the shim with --shim-disable's adapte
 # as extract's are: the same durability on the same disk (native alone writes to /dev/shm, never fsync'd)
 NATIVE_PATHS = ("native", "native_disk")
 REQUIRED_KEYS = ("shim_vs_native", "extract_vs_native", "shim_vs_llm_eager", "overhead_fraction")
+TARGET_PATHS = frozenset({"shim", "native", "extract"})  # what issue 27's targets (TARGETS) are ratios of
 TARGETS = {
     "shim_vs_native": (">=", 0.8),
     "extract_vs_native": (">=", 0.8),
@@ -859,20 +860,24 @@ POOLED_KEYS = ("bitwise_equal", "shim_deterministic")
 
 
 def one_run_ratios(kind: str, section: dict[str, Any], files: list[Path], parts: list[dict[str, Any]]) -> None:
-    """Per prompt set, every ratio from ONE invocation (the one that measured the most paths for that set;
-    the later on a tie), never from runs pooled across invocations; only ``bitwise_equal`` and
-    ``shim_deterministic`` come from the pooled digests (every invocation's shim and shim_without
-    returned the same bytes). ``ratios_from`` names the file."""
+    """Per prompt set, every ratio from ONE invocation, never from runs pooled across invocations: the
+    latest (files are merged oldest first) that measured every path the targets need (``TARGET_PATHS``),
+    so a newer data path's figures replace an older one's; where none did, the one that measured the
+    most paths for that set, the later on a tie. Only ``bitwise_equal`` and ``shim_deterministic`` come
+    from the pooled digests (every invocation's shim and shim_without returned the same bytes).
+    ``ratios_from`` names the file."""
     for name, entry in section.get("prompt_sets", {}).items():
-        best: tuple[int, int] | None = None
+        best: tuple[bool, int, int] | None = None
         chosen: tuple[Path, dict[str, Any]] | None = None
         for index, (file, part) in enumerate(zip(files, parts, strict=True)):
             paths = part["per_model"].get(kind, {}).get("paths", {})
-            measured = sum(
-                1 for path in paths.values() if path.get("sets", {}).get(name, {}).get("tokens_per_s_median")
-            )
-            if measured and (best is None or (measured, index) >= best):
-                best, chosen = (measured, index), (file, paths)
+            done = {
+                label for label, path in paths.items() if path.get("sets", {}).get(name, {}).get("tokens_per_s_median")
+            }
+            complete = done.issuperset(TARGET_PATHS)
+            rank = (complete, 0 if complete else len(done), index)
+            if done and (best is None or rank >= best):
+                best, chosen = rank, (file, paths)
                 commit = part.get("versions", {}).get("spec_compat") or entry.get("commit")
         if chosen is None:
             continue

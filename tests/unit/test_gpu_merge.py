@@ -32,3 +32,38 @@ def test_a_second_speculators_release_gets_its_own_entry(tmp_path: Path) -> None
     assert per_model["moe"]["prompt_sets"]["chat"]["commit"] == "c863c88"
     first = per_model["moe"]["paths"]["shim"]["runs"]
     assert len(first) == len(json.loads(RECORD.read_text())["per_model"]["moe"]["paths"]["shim"]["runs"])
+
+
+def _copy(tmp_path: Path, name: str, commit: str, drop: tuple[str, ...]) -> Path:
+    record = json.loads(RECORD.read_text())
+    record["versions"]["spec_compat"] = commit
+    for path in drop:
+        del record["per_model"]["moe"]["paths"][path]
+    file = tmp_path / name
+    file.write_text(json.dumps(record))
+    return file
+
+
+def test_a_later_invocation_with_the_target_paths_replaces_one_with_more_paths(tmp_path: Path) -> None:
+    assert {"shim", "native", "extract", "shim_without"} <= set(
+        json.loads(RECORD.read_text())["per_model"]["moe"]["paths"]
+    )
+    newer = _copy(tmp_path, "newer.json", "def5678", ("shim_without",))
+    written = tmp_path / "merged.json"
+
+    assert merge([RECORD, newer], written) == 0
+
+    chat = json.loads(written.read_text())["per_model"]["moe"]["prompt_sets"]["chat"]
+    assert chat["ratios_from"] == str(newer)
+    assert chat["commit"] == "def5678"
+
+
+def test_a_later_invocation_without_extract_does_not_replace_one_with_it(tmp_path: Path) -> None:
+    newer = _copy(tmp_path, "newer.json", "def5678", ("extract",))
+    written = tmp_path / "merged.json"
+
+    assert merge([RECORD, newer], written) == 0
+
+    chat = json.loads(written.read_text())["per_model"]["moe"]["prompt_sets"]["chat"]
+    assert chat["ratios_from"] == str(RECORD)
+    assert chat["commit"] == "c863c88"
