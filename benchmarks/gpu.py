@@ -552,6 +552,11 @@ class Bench:
         if steady:  # like the other paths, which time calls after a warm-up call: the batches after the first
             record["tokens_per_s_including_first_batch"] = rate
             rate = float(steady)
+        timeline = (stats or {}).get("timeline") or []
+        if len(timeline) > 1 and timeline[-1][1] > timeline[0][1]:
+            # diagnostic, not the target's rate: the loop's pace from the first batch's hand-over to the last
+            # one's (the writer at most --pending-batches behind), the end's drain (a fixed cost per run) left out
+            record["loop_tokens_per_s"] = sum(t for _, _, t in timeline[1:]) / (timeline[-1][1] - timeline[0][1])
         return {
             **record,
             "status": "ok",

@@ -183,6 +183,12 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["samples"] == len(lines) and stats["tokens"] == sum(map(len, lines)) and stats["batches"] == 5
     assert stats["extract_s"] > 0 and stats["engine_start_s"] > 0
+    # one timeline entry per batch, in order, each handed to the writer after its generate() returned
+    timeline = stats["timeline"]
+    assert len(timeline) == stats["batches"] and sum(tokens for _, _, tokens in timeline) == stats["tokens"]
+    assert all(generated <= handed for generated, handed, _ in timeline), timeline
+    assert [handed for _, handed, _ in timeline] == sorted(handed for _, handed, _ in timeline)
+    assert 0 <= stats["drain_s"] <= stats["writer_wait_s"] and timeline[-1][1] + stats["drain_s"] <= stats["extract_s"]
     # each sample's states went from the worker's shared memory to the writer process, no driver copy
     assert stats["writer"] == "process" and stats["written_by_process"] == len(lines), stats
     assert stats["timings"].get("extract:torch-save", 0) > 0  # the process's own timings came back

@@ -75,6 +75,9 @@ def run(config: ExtractConfig) -> int:
         progress = Progress(len(todo), sum(lengths))
         first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
         generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
+        # per batch, seconds since the loop began: its generate() returned, its files were handed to the
+        # writer (after any wait for room), its tokens: the loop's rate between the first batch and the drain
+        timeline: list[tuple[float, float, int]] = []
         spec_compat.reset_timings()  # the engine start's RPCs are not the loop's
         started = time.perf_counter()
         try:
@@ -102,10 +105,14 @@ def run(config: ExtractConfig) -> int:
                     manifest.save(config.fsync)
                     if config.on_error == "stop":
                         return 1
+                handed = time.perf_counter() - started
+                timeline.append((round(prepare_started - started, 4), round(handed, 4), sum(lengths[begin:end])))
                 if first_batch is None:
-                    first_batch = (time.perf_counter() - started, sum(lengths[begin:end]))
+                    first_batch = (handed, sum(lengths[begin:end]))
                 progress.update(len(batch), sum(lengths[begin:end]))
+            drain_started = time.perf_counter()
             writer.drain()
+            drain_s = time.perf_counter() - drain_started
             extract_s = time.perf_counter() - started  # dataset to files on disk (engine start and shutdown excluded)
         finally:
             progress.close()
@@ -156,6 +163,8 @@ def run(config: ExtractConfig) -> int:
         "generate_s": generate_s,
         "prepare_s": prepare_s,
         "writer_wait_s": writer.wait_s,
+        "drain_s": drain_s,  # of writer_wait_s: after the last batch, until the batches in flight were written
+        "timeline": timeline,  # [generate() returned, handed to the writer, tokens] per batch
         "writer": "process" if process is not None else "threads",
         "written_by_process": process.samples if process is not None else 0,  # the rest: by driver threads
         "writer_threads": config.writer_threads,
