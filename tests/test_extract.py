@@ -160,6 +160,7 @@ def full_run(engine_cells: CellPool) -> tuple[Path, Path]:
     run = engine_cells.result(FULL_RUN)
     proc = run.procs[0]
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr[-4000:]  # the writer process starts without one
     return run.data, run.outs["full"]
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -23,7 +25,7 @@ from spec_compat.adapters import handover, transfer
 from spec_compat.extract.formats.hs import SpeculatorsHs
 from spec_compat.extract.formats.v1 import SpeculatorsV1
 from spec_compat.extract.writer import BackgroundWriter
-from spec_compat.extract.writer_process import WriterProcess
+from spec_compat.extract.writer_process import RawTensor, WriterProcess, raw_tensors, rebuilt
 
 ROWS = (7, 33, 1, 20)
 LAYERS = 3
@@ -203,3 +205,38 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def _saved(payload: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(2000, dtype=torch.long),
+        torch.arange(40, dtype=torch.long)[5:25:2],  # a strided view into a larger storage
+        torch.ones(6, 4, dtype=torch.bool).t(),
+        torch.zeros(0, dtype=torch.long),
+    ],
+    ids=["ids", "strided-view", "bool-transposed", "empty"],
+)
+def test_small_tensors_cross_the_pipe_as_bytes_and_save_the_same_file(tensor: torch.Tensor) -> None:
+    payload = {"input_ids": tensor, "hidden_states": [torch.randn(3, 2)], "loss_mask": torch.ones(5, dtype=torch.long)}
+    sent = raw_tensors({k: v for k, v in payload.items() if k != "hidden_states"}, payload["hidden_states"])
+    assert isinstance(sent["input_ids"], RawTensor) and isinstance(sent["loss_mask"], RawTensor)
+    back = {**{k: rebuilt(v) for k, v in pickle.loads(pickle.dumps(sent)).items()}}
+    assert _saved({**payload, **back}) == _saved(payload)
+
+
+def test_tensors_sharing_a_storage_or_not_plain_stay_tensors() -> None:
+    base = torch.arange(10, dtype=torch.long)
+    shared = {"input_ids": base[:5], "loss_mask": base[5:]}
+    assert raw_tensors(shared, []) is shared
+    with_grad = {"input_ids": torch.ones(3, requires_grad=True)}
+    assert raw_tensors(with_grad, []) is with_grad
+    state = torch.arange(6, dtype=torch.long)
+    view = {"input_ids": state[:3]}
+    assert raw_tensors(view, [state]) is view  # it shares a state's storage

@@ -164,6 +164,7 @@ def run(config: ExtractConfig) -> int:
         "prepare_s": prepare_s,
         "writer_wait_s": writer.wait_s,
         "drain_s": drain_s,  # of writer_wait_s: after the last batch, until the batches in flight were written
+        "handoff_s": writer.handoff_s,  # handing the files to the writer (to its process: describing, sending)
         "timeline": timeline,  # [generate() returned, handed to the writer, tokens] per batch
         "writer": "process" if process is not None else "threads",
         "written_by_process": process.samples if process is not None else 0,  # the rest: by driver threads

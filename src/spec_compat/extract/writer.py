@@ -138,6 +138,7 @@ class BackgroundWriter:
         self.written_samples = 0
         self.written_bytes = 0
         self.wait_s = 0.0  # time the engine loop waited for the writer (the writer is the bottleneck)
+        self.handoff_s = 0.0  # time the engine loop spent handing files over once there was room
         # --writer process: samples whose states lie in shared-memory segments are written there
         # (writer_process.py); ``locate`` (the engine's DriverMappings.locate) finds them, once it runs
         self.process = process
@@ -147,12 +148,14 @@ class BackgroundWriter:
         """Write ``samples`` ((idx, payload) each) to ``names`` (default: the format's name of each idx)."""
         while len(self.in_flight) >= self.pending:
             self._finish_oldest()
+        started = time.perf_counter()
         if names is None:
             names = [self.fmt.file_name(idx, idx) for idx, _ in samples]
         files = [
             (idx, name, self._submit_file(name, payload)) for (idx, payload), name in zip(samples, names, strict=True)
         ]
         self.in_flight.append(self.recorder.submit(self._record, files))
+        self.handoff_s += time.perf_counter() - started
 
     def _submit_file(self, name: str, payload: dict[str, Any]) -> Future[Saved]:
         if self.process is not None and self.locate is not None:
