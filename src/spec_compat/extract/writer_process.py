@@ -119,7 +119,7 @@ def raw_tensors(values: dict[str, Any], states: list[Any]) -> dict[str, Any]:
     tensors = {key: value for key, value in values.items() if isinstance(value, torch.Tensor)}
     plain = all(
         type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
-        and not getattr(t, "__dict__", None) and not t.is_complex()
+        and not getattr(t, "__dict__", None) and not t.is_complex() and not t.is_quantized
         for t in tensors.values()
     )  # fmt: skip
     storages = [t.untyped_storage().data_ptr() for t in (*tensors.values(), *states) if t.untyped_storage().nbytes()]
