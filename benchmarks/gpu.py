@@ -625,6 +625,17 @@ class Bench:
         section["prompt_sets"] = prompt_set_ratios(section["paths"], self.args.prompt_sets, self.commit)
 
 
+def extract_breakdown(stats: dict[str, Any]) -> str:
+    """Where an extract loop's time went (its extract_stats.json), or "" for another path."""
+    if "drain_s" not in stats:
+        return ""
+    s = {key: f"{stats[key]:.2f}" for key in ("extract_s", "generate_s", "handoff_s", "writer_wait_s", "drain_s")}
+    return (
+        f" ({s['extract_s']} s: generate {s['generate_s']} s, handing over {s['handoff_s']} s,"
+        f" waited {s['writer_wait_s']} s, drain {s['drain_s']} s of it)"
+    )
+
+
 def describe(record: dict[str, Any]) -> str:
     if record.get("status") not in ("ok", "partial"):
         why = record.get("error") or record.get("reason")
@@ -638,6 +649,7 @@ def describe(record: dict[str, Any]) -> str:
         overhead = entry.get("overhead", {}).get("overhead_fraction")
         if overhead is not None:
             text += f" (own {overhead:.3f})"
+        text += extract_breakdown(entry.get("stats") or {})
         parts.append(text)
     start = record.get("engine_start_s")
     started = f"engine start {start:.1f} s; " if start is not None else ""
