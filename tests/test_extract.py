@@ -160,7 +160,7 @@ def full_run(engine_cells: CellPool) -> tuple[Path, Path]:
     run = engine_cells.result(FULL_RUN)
     proc = run.procs[0]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "RuntimeWarning" not in proc.stderr, proc.stderr[-4000:]  # the writer process starts without one
+    assert "found in sys.modules" not in proc.stderr, proc.stderr[-4000:]  # runpy's warning: the writer process
     return run.data, run.outs["full"]
 
 
