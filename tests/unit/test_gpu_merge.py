@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -44,26 +45,26 @@ def _copy(tmp_path: Path, name: str, commit: str, drop: tuple[str, ...]) -> Path
     return file
 
 
+def _merged_chat(tmp_path: Path, newer: Path) -> dict[str, Any]:
+    """RECORD then ``newer`` merged: the chat set's entry."""
+    written = tmp_path / "merged.json"
+    assert merge([RECORD, newer], written) == 0
+    chat: dict[str, Any] = json.loads(written.read_text())["per_model"]["moe"]["prompt_sets"]["chat"]
+    return chat
+
+
 def test_a_later_invocation_with_the_target_paths_replaces_one_with_more_paths(tmp_path: Path) -> None:
     assert {"shim", "native", "extract", "shim_without"} <= set(
         json.loads(RECORD.read_text())["per_model"]["moe"]["paths"]
     )
     newer = _copy(tmp_path, "newer.json", "def5678", ("shim_without",))
-    written = tmp_path / "merged.json"
-
-    assert merge([RECORD, newer], written) == 0
-
-    chat = json.loads(written.read_text())["per_model"]["moe"]["prompt_sets"]["chat"]
+    chat = _merged_chat(tmp_path, newer)
     assert chat["ratios_from"] == str(newer)
     assert chat["commit"] == "def5678"
 
 
 def test_a_later_invocation_without_extract_does_not_replace_one_with_it(tmp_path: Path) -> None:
     newer = _copy(tmp_path, "newer.json", "def5678", ("extract",))
-    written = tmp_path / "merged.json"
-
-    assert merge([RECORD, newer], written) == 0
-
-    chat = json.loads(written.read_text())["per_model"]["moe"]["prompt_sets"]["chat"]
+    chat = _merged_chat(tmp_path, newer)
     assert chat["ratios_from"] == str(RECORD)
     assert chat["commit"] == "c863c88"

@@ -159,7 +159,7 @@ class BackgroundWriter:
 
     def _submit_file(self, name: str, payload: dict[str, Any]) -> Future[Saved]:
         if self.process is not None and self.locate is not None:
-            described = describe(payload, self.locate)
+            described = describe(payload, self.locate, self.process.fast_handoff)
             if described is not None:
                 return self.process.submit(name, payload, described)
         return self.pool.submit(self._write, name, payload)

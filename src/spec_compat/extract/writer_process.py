@@ -171,10 +171,11 @@ def _receive(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
-def describe(payload: dict[str, Any], locate: Callable[[Any], Any]) -> dict[str, Any] | None:
+def describe(payload: dict[str, Any], locate: Callable[[Any], Any], raw: bool = True) -> dict[str, Any] | None:
     """``payload`` with each state tensor replaced by where it lies in a segment (``locate``: path,
-    inode, offset, dtype name, shape); None when one does not lie in one, or when the rest would
-    send more than ``INLINE_LIMIT`` bytes through the pipe."""
+    inode, offset, dtype name, shape) and, with ``raw``, its other tensors by ``raw_tensors``; None when
+    a state does not lie in one, or when the rest would send more than ``INLINE_LIMIT`` bytes through
+    the pipe."""
     states = []
     for tensor in payload["hidden_states"]:
         where = locate(tensor)
@@ -184,7 +185,7 @@ def describe(payload: dict[str, Any], locate: Callable[[Any], Any]) -> dict[str,
     rest = {key: value for key, value in payload.items() if key != "hidden_states"}
     if sum(_storage_bytes(value) for value in rest.values()) > INLINE_LIMIT:  # a tensor goes with its storage
         return None
-    sent = raw_tensors(rest, payload["hidden_states"]) if fast_handoff() else rest
+    sent = raw_tensors(rest, payload["hidden_states"]) if raw else rest
     return {key: states if key == "hidden_states" else sent[key] for key in payload}  # the payload's key order
 
 
@@ -196,7 +197,8 @@ class WriterProcess:
     ) -> None:
         jobs_read, jobs_write = os.pipe()
         replies_read, replies_write = os.pipe()
-        if fast_handoff():
+        self.fast_handoff = fast_handoff()  # read once: the pipe's size and how jobs are described agree
+        if self.fast_handoff:
             with contextlib.suppress(AttributeError, OSError):  # not Linux, or over the allowed size: the default
                 fcntl.fcntl(jobs_write, fcntl.F_SETPIPE_SZ, JOB_PIPE_BYTES)  # type: ignore[attr-defined]
         package_root = str(Path(__file__).resolve().parents[2])
