@@ -39,6 +39,33 @@ def test_plan_batches_cut_to_whole_parts_of_the_running_slots() -> None:
     assert all(end - begin <= 32 or (end - begin) % 32 == 0 for begin, end in batches)
 
 
+def test_plan_batches_tapers_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last ``tail`` batches' samples are replanned at a quarter of the token limit, so the run's
+    end waits for small batches to be written; every sample still planned once, in order."""
+    lengths = [100] * 40  # 10 batches of 4 at 400 tokens
+    whole = extract.plan_batches(lengths, max_samples=64, max_tokens=400)
+    assert whole == [(i, i + 4) for i in range(0, 40, 4)]
+    tapered = extract.plan_batches(lengths, max_samples=64, max_tokens=400, tail=2)
+    assert tapered == whole[:-2] + [(i, i + 1) for i in range(32, 40)]
+    # a sample longer than the tail's limit (250 here) is still a batch of its own
+    assert extract.plan_batches([500, 500, 100, 100, 100, 100, 900], 64, 1000, tail=2) == [
+        (0, 2),
+        (2, 4),
+        (4, 6),
+        (6, 7),
+    ]
+    # too few batches to taper, or nothing smaller to make: planned as without
+    assert extract.plan_batches([100] * 8, max_samples=64, max_tokens=400, tail=2) == [(0, 4), (4, 8)]
+    assert extract.plan_batches([400] * 4, max_samples=64, max_tokens=400, tail=2) == [(i, i + 1) for i in range(4)]
+    lengths = [(i * 37) % 900 + 1 for i in range(500)]
+    batches = extract.plan_batches(lengths, max_samples=100, max_tokens=30000, slots=32, tail=2)
+    assert [b for a in batches for b in range(*a)] == list(range(500))
+    # the switch: SPEC_COMPAT_EXTRACT_TAPER=0 plans no tail
+    assert extract.tail_batches(3) == 3
+    monkeypatch.setenv("SPEC_COMPAT_EXTRACT_TAPER", "0")
+    assert extract.tail_batches(3) == 0
+
+
 def _payload(n: int, value: float) -> dict[str, Any]:
     return {
         "input_ids": torch.arange(n),

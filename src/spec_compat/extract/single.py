@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from . import formats
-from .batching import Progress, generate_isolating, plan_batches, sample_payloads
+from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches
 from .config import STATS, ExtractConfig, ExtractError, WriteFailed
 from .dataset import checked_samples
 from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
@@ -71,7 +71,9 @@ def run(config: ExtractConfig) -> int:
         save_dtype = formats.state_dtype(config)
         lengths = [min(len(s.input_ids), limit) for s in todo]
         slots = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 0) or None
-        batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots)
+        batches = plan_batches(
+            lengths, config.batch_size or slots or 16, config.batch_tokens, slots, tail_batches(config.pending_batches)
+        )
         progress = Progress(len(todo), sum(lengths))
         first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
         generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
