@@ -8,6 +8,15 @@
   each (what extract's writer threads do with torch.save, without the hashing);
 - ``buffered_nofsync_8``: the same without fsync (the page cache's speed).
 
+``--files`` (issue 27: is a writer of many small files held by the disk or by its fsyncs?) adds, per
+way, GB/s of files of extract's sizes (``MB``: 4, 12, 48; a chat sample of 730 tokens is 12 MB):
+
+- ``fsync_{T}t_{MB}mb``: T threads (8, 16), each file written and fsync'd (extract's durability);
+- ``extract_8t_{MB}mb``: extract's writer exactly: written under a temporary name, writeback started,
+  read back for its sha256, fsync'd, renamed; the folder fsync'd once per batch of 64 files;
+- ``syncfs_8t_{MB}mb``: 8 threads write a batch of 64 files unsynced, then one syncfs(2) for the
+  batch (one journal commit per batch instead of one per file; Linux only).
+
 Prints and writes GB/s (10^9 bytes per second) per way. Standard library only, so it runs on any
 machine the benchmark runs on.
 """
@@ -15,6 +24,9 @@ machine the benchmark runs on.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import hashlib
 import json
 import mmap
 import os
@@ -90,17 +102,102 @@ def measure(folder: Path, total: int) -> dict[str, float]:
     return results
 
 
+FILE_SIZES_MB = (4, 12, 48)
+BATCH_FILES = 64
+
+
+def _syncfs(fd: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.syncfs(fd) != 0:
+        raise OSError(ctypes.get_errno(), "syncfs")
+
+
+def _extract_like(folder: Path, names: list[str], payload: bytes) -> None:
+    buffer = bytearray(8 << 20)
+    for name in names:
+        tmp = folder / (name + ".tmp")
+        with tmp.open("wb", buffering=0) as handle:
+            handle.write(payload)
+        digest = hashlib.sha256()
+        with tmp.open("rb", buffering=0) as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_NORMAL)
+            _start_writeback(handle.fileno())
+            while count := handle.readinto(buffer):
+                digest.update(memoryview(buffer)[:count])
+            os.fsync(handle.fileno())
+        os.replace(tmp, folder / name)
+
+
+def _start_writeback(fd: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.sync_file_range(ctypes.c_int(fd), ctypes.c_longlong(0), ctypes.c_longlong(0), ctypes.c_uint(2))
+
+
+def _batches(folder: Path, total: int, size: int, threads: int, way: str, payload: bytes) -> float:
+    """Seconds to write ``total`` bytes as files of ``size`` in batches of BATCH_FILES, ``threads`` at once."""
+    files = max(threads, total // size)
+    started = time.perf_counter()
+    for first in range(0, files, BATCH_FILES):
+        names = [f"f{i}" for i in range(first, min(files, first + BATCH_FILES))]
+        shares = [names[i::threads] for i in range(threads)]
+        if way == "extract":
+            targets = [threading.Thread(target=_extract_like, args=(folder, share, payload)) for share in shares]
+        else:
+            targets = [
+                threading.Thread(target=_named_files, args=(folder, share, payload, way == "fsync")) for share in shares
+            ]
+        _timed_threads(targets)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            if way == "syncfs":
+                _syncfs(fd)
+            else:
+                os.fsync(fd)  # the renames' (extract) or creations' directory entries, once per batch
+        finally:
+            os.close(fd)
+    return files * size / (time.perf_counter() - started) / 1e9
+
+
+def _named_files(folder: Path, names: list[str], payload: bytes, sync: bool) -> None:
+    for name in names:
+        with (folder / name).open("wb", buffering=0) as handle:
+            handle.write(payload)
+            if sync:
+                os.fsync(handle.fileno())
+
+
+def measure_files(folder: Path, total: int) -> dict[str, float]:
+    results: dict[str, float] = {}
+    for size_mb in FILE_SIZES_MB:
+        payload = os.urandom(size_mb * 10**6)
+        for way, threads in (("fsync", 8), ("fsync", 16), ("extract", 8), ("syncfs", 8)):
+            name = f"{way}_{threads}t_{size_mb}mb"
+            work = folder / name
+            work.mkdir()
+            try:
+                results[name] = _batches(work, total, len(payload), threads, way, payload)
+            except (OSError, AttributeError) as exc:  # no syncfs / sync_file_range here
+                print(f"{name}: {exc}")
+            shutil.rmtree(work)
+            os.sync()
+            print(f"{name}: {results.get(name, float('nan')):.2f} GB/s", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--gib", type=float, default=4.0, help="bytes per way")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--files", action="store_true", help="also files of extract's sizes (module docstring)")
     args = parser.parse_args()
     folder = args.dir / "sc_disk_write"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:
         results = measure(folder, int(args.gib * 2**30) // CHUNK * CHUNK)
+        if args.files:
+            results.update(measure_files(folder, int(args.gib * 2**30)))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     record = {"dir": str(args.dir), "gib_per_way": args.gib, "gb_per_s": results, "cpus": os.cpu_count()}
