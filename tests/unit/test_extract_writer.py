@@ -83,8 +83,10 @@ def test_writer_records_batches_in_order_once_written(tmp_path: Path) -> None:
     writer = extract.BackgroundWriter(tmp_path, manifest, threads=3, pending=2)
     for batch in range(5):
         writer.submit([(batch * 2 + k, _payload(3 + k, float(batch))) for k in range(2)])
-        assert len(writer.in_flight) <= 2
+        # either way: at most pending + 1 batches unrecorded, pending batches' bytes unwritten
+        assert len(writer.in_flight) <= 3 and writer.unwritten <= 2 * writer.largest_batch
     writer.close()
+    assert writer.unwritten == 0
     saved = json.loads((tmp_path / "manifest.json").read_text())["samples"]
     assert sorted(map(int, saved)) == list(range(10))
     for key, entry in saved.items():
@@ -93,6 +95,55 @@ def test_writer_records_batches_in_order_once_written(tmp_path: Path) -> None:
         loaded = torch.load(tmp_path / entry["file"], weights_only=True)
         assert float(loaded["hidden_states"][0][0, 0]) == int(key) // 2 and entry["num_tokens"] == 3 + int(key) % 2
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("by_bytes", [True, False])
+def test_the_next_batch_waits_for_bytes_not_for_the_oldest_batchs_last_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by_bytes: bool
+) -> None:
+    """Room by bytes (SPEC_COMPAT_WRITER_BYTE_WINDOW=1): with one file of the oldest batch still being
+    written, the next batch is handed over as soon as the bytes allow, and the one after waits (pending
+    + 1 batches unrecorded). By whole batches (the default) the loop waits for the oldest to be recorded."""
+    import threading
+
+    monkeypatch.setenv("SPEC_COMPAT_WRITER_BYTE_WINDOW", "1" if by_bytes else "0")
+    slow_may_finish = threading.Event()
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if float(obj["hidden_states"][0][0, 0]) == 9.0:
+            assert slow_may_finish.wait(60)
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    writer = extract.BackgroundWriter(tmp_path, _manifest(tmp_path), threads=3, pending=2)
+    writer.submit([(0, _payload(4, 9.0)), (1, _payload(4, 0.0))])  # sample 0's file waits for the event
+    writer.submit([(2, _payload(4, 0.0)), (3, _payload(4, 0.0))])
+
+    def handed_over(first: int, expected: bool) -> threading.Thread:
+        thread = threading.Thread(
+            target=writer.submit, args=([(first, _payload(4, 0.0)), (first + 1, _payload(4, 0.0))],)
+        )
+        thread.start()
+        thread.join(timeout=30.0 if expected else 1.0)
+        return thread
+
+    third = handed_over(4, expected=by_bytes)
+    if by_bytes:
+        assert not third.is_alive(), "the third batch fits the bytes: handed over while sample 0 is written"
+        fourth = handed_over(6, expected=False)
+        assert fourth.is_alive(), "pending + 1 batches unrecorded: the fourth waits"
+    else:
+        assert third.is_alive(), "two batches unrecorded: the third waits for the oldest"
+        fourth = third
+    assert not slow_may_finish.is_set()
+    slow_may_finish.set()
+    fourth.join(timeout=60)
+    assert not fourth.is_alive()
+    writer.close()
+    listed = json.loads((tmp_path / "manifest.json").read_text())["samples"]
+    assert sorted(map(int, listed)) == list(range(8 if by_bytes else 6))
+    assert writer.unwritten == 0
 
 
 def test_batches_are_recorded_off_the_callers_thread_without_it_waiting(

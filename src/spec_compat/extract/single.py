@@ -173,6 +173,8 @@ def run(config: ExtractConfig) -> int:
         "writer_threads": config.writer_threads,
         "writer_nice": writer.nice,
         "pending_batches": config.pending_batches,
+        "writer_room": "bytes" if writer.by_bytes else "batches",  # SPEC_COMPAT_WRITER_BYTE_WINDOW
+        "tail_batches": tail_batches(config.pending_batches),  # SPEC_COMPAT_EXTRACT_TAPER
         "zip_crc32": zip_crc32,
         "fsync": config.fsync,
         "direct_io": staging is not None,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +26,23 @@ WRITER_NICE_ENV = "SPEC_COMPAT_WRITER_NICE"  # niceness the writer threads add t
 # 0 until measured on the GPU: run R's A/B of it got no figure (that machine's vLLM-native path alone
 # ran past its timeout), and nothing on the data path changes default without one
 DEFAULT_WRITER_NICE = 0
+
+
+# "1": room for the next batch by bytes not yet written (``BackgroundWriter``); else by whole batches recorded.
+# Off until measured on the GPU: on the 2-core development machine the writer is held by its CPUs (sha256 on
+# 2 cores), where neither way can show its threads' idle time (benchmarks/extract_writer.py --room-ab)
+BYTE_WINDOW_ENV = "SPEC_COMPAT_WRITER_BYTE_WINDOW"
+DEFAULT_BYTE_WINDOW = "0"
+
+
+def byte_window() -> bool:
+    return os.environ.get(BYTE_WINDOW_ENV, DEFAULT_BYTE_WINDOW) == "1"
+
+
+def payload_bytes(payload: dict[str, Any]) -> int:
+    """The bytes of a sample's tensors (what its payload holds in memory until its file is written)."""
+    tensors = [*payload["hidden_states"], *(v for k, v in payload.items() if k != "hidden_states")]
+    return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
 
 def writer_nice() -> int:
@@ -107,7 +126,15 @@ class BackgroundWriter:
     manifest while batches are in flight, so an interrupted run never records a sample whose file
     is not complete. The engine loop waits only when ``pending`` batches are still unrecorded (on
     an H200 the recording in the loop, a directory fsync and a manifest fsync per batch behind 8
-    writers' dirty pages, cost up to 1.4 s of a 6.4 s extract)."""
+    writers' dirty pages, cost up to 1.4 s of a 6.4 s extract).
+
+    Room by bytes (``byte_window``, SPEC_COMPAT_WRITER_BYTE_WINDOW=1): the loop hands a batch over as soon as the files
+    not yet written, with it, hold at most ``pending`` times the largest batch's bytes, and at most
+    ``pending`` + 1 batches are unrecorded. The memory held is the same as with whole batches; what
+    changes is that the next batch no longer waits for the last, slowest file of the oldest one.
+    Why: waiting for whole batches left the writer's threads idle while a batch's last files were
+    written (H100, run X: on average 3.6 of 8 threads busy on 4-8k-token samples, 4-5 files a batch,
+    5.6-6.2 on the other sets), and the engine loop waited 0.8-1.6 s of each 9 s run for room."""
 
     def __init__(
         self,
@@ -135,6 +162,10 @@ class BackgroundWriter:
         self.recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-compat-recorder")
         self.pending = max(1, pending)
         self.in_flight: deque[Future[None]] = deque()  # one per batch: done once it is recorded
+        self.by_bytes = byte_window()  # room by bytes not yet written (else by whole batches recorded)
+        self.unwritten = 0  # bytes of the files handed over and not yet written (or failed)
+        self.largest_batch = 0  # bytes of the largest batch handed over so far
+        self.room = threading.Condition()  # notified as files are written and batches recorded
         self.written_samples = 0
         self.written_bytes = 0
         self.wait_s = 0.0  # time the engine loop waited for the writer (the writer is the bottleneck)
@@ -146,16 +177,53 @@ class BackgroundWriter:
 
     def submit(self, samples: list[tuple[int, dict[str, Any]]], names: list[str] | None = None) -> None:
         """Write ``samples`` ((idx, payload) each) to ``names`` (default: the format's name of each idx)."""
-        while len(self.in_flight) >= self.pending:
-            self._finish_oldest()
+        sizes = [payload_bytes(payload) for _, payload in samples]
+        self.largest_batch = max(self.largest_batch, sum(sizes))
+        if self.by_bytes:
+            self._wait_for_bytes(sum(sizes))
+        else:
+            while len(self.in_flight) >= self.pending:
+                self._finish_oldest()
         started = time.perf_counter()
         if names is None:
             names = [self.fmt.file_name(idx, idx) for idx, _ in samples]
-        files = [
-            (idx, name, self._submit_file(name, payload)) for (idx, payload), name in zip(samples, names, strict=True)
-        ]
-        self.in_flight.append(self.recorder.submit(self._record, files))
+        files = []
+        for (idx, payload), name, size in zip(samples, names, sizes, strict=True):
+            with self.room:
+                self.unwritten += size
+            future = self._submit_file(name, payload)
+            future.add_done_callback(functools.partial(self._file_done, size))
+            files.append((idx, name, future))
+        batch = self.recorder.submit(self._record, files)
+        batch.add_done_callback(functools.partial(self._file_done, 0))
+        self.in_flight.append(batch)
         self.handoff_s += time.perf_counter() - started
+
+    def _file_done(self, size: int, _: Future[Any]) -> None:
+        with self.room:
+            self.unwritten -= size
+            self.room.notify_all()
+
+    def _wait_for_bytes(self, incoming: int) -> None:
+        """Until the files not yet written, with ``incoming`` more, hold at most ``pending`` times the
+        largest batch's bytes and fewer than ``pending`` + 1 batches are unrecorded; a recorded batch's
+        failure is raised here, as ``_finish_oldest`` raises it."""
+        started = time.perf_counter()
+        waited = False
+        try:
+            while self.in_flight:
+                if self.in_flight[0].done():
+                    self.in_flight.popleft().result()
+                    continue
+                with self.room:
+                    fits = self.unwritten + incoming <= self.pending * self.largest_batch or self.unwritten == 0
+                    if fits and len(self.in_flight) <= self.pending:
+                        return
+                    waited = True
+                    self.room.wait(0.1)  # woken by a written file or a recorded batch; a signal is seen within 0.1 s
+        finally:
+            if waited:
+                self.wait_s += time.perf_counter() - started
 
     def _submit_file(self, name: str, payload: dict[str, Any]) -> Future[Saved]:
         if self.process is not None and self.locate is not None:
