@@ -493,6 +493,44 @@ class Bench:
         status = "ok" if statuses == {"ok"} else ("failed" if "ok" not in statuses else "partial")
         return {"status": status, "wall_s": time.perf_counter() - started, "sets": sets}
 
+    def run_extract_group(
+        self, kind: str, names: list[str], spec: dict[str, Any], round_: int
+    ) -> dict[str, dict[str, Any]]:
+        """Several extract paths (variants of one another) set by set: the first set for each path, then
+        the next set for each, so that a budget running out leaves whole A/Bs of the sets done, not all
+        sets of one path and none of the other (run X lost its A/B that way). A set is not run when the
+        budget left is less than the longest set any of them took so far (before any: the path's prior)."""
+        records = {
+            name: {"round": round_, "base": self.variants.get(name, name), "wall_s": 0.0, "sets": {}} for name in names
+        }
+        walls: list[float] = []
+        for entry in spec["sets"]:
+            for name in names:
+                record = records[name]
+                base = record["base"]
+                estimate = max(walls) if walls else self.priors[base]
+                left = self.remaining()
+                if left < estimate:
+                    reason = f"{left:.0f} s of budget left, {'measured' if walls else 'assumed'} {estimate:.0f} s"
+                    record["sets"][entry["name"]] = {"status": "not-run", "reason": reason}
+                    continue
+                root = self.extract_root(base)
+                disk = self.measure_disk(root) if base == "extract" else None
+                env = {**self.env, **self.args.variant_env.get(name, {})}
+                extract_args = self.args.variant_args.get(name, self.args.extract_args)
+                log = self.logs / f"{kind}_r{round_}_{name}_{entry['name']}.log"
+                timeout = min(left, self.args.path_timeout_s)
+                done = self.run_extract(spec, entry, log, timeout, root, extract_args, env)
+                record["sets"][entry["name"]] = {**done, "disk": disk}
+                record["wall_s"] += float(done.get("wall_s") or 0.0)
+                walls.append(float(done.get("wall_s") or 0.0))
+        for record in records.values():
+            statuses = {r["status"] for r in record["sets"].values()}
+            record["status"] = "ok" if statuses == {"ok"} else ("partial" if "ok" in statuses else "not-run")
+            if statuses - {"ok", "not-run"} and "ok" not in statuses:
+                record["status"] = "failed"
+        return records
+
     def run_extract(
         self,
         spec: dict[str, Any],
@@ -601,8 +639,18 @@ class Bench:
         section["native_layer_ids"] = spec["native_layer_ids"]
         section["native_storage"] = spec["native_storage"]
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*PATHS, *self.variants)}
+        extracts = [n for n in self.args.paths if self.variants.get(n, n) in EXTRACT_PATHS]
         for round_ in range(self.args.rounds):
             for name in self.args.paths:
+                if len(extracts) > 1 and name in extracts:
+                    if name == extracts[0]:  # all extract paths here, set by set: each set's A/B side by side
+                        for label, record in self.run_extract_group(kind, extracts, spec, round_).items():
+                            runs[label].append(record)
+                            print(f"   round {round_} {label:12s} {describe(record)}", flush=True)
+                        section["paths"] = summarize_paths(runs)
+                        section["prompt_sets"] = prompt_set_ratios(section["paths"], self.args.prompt_sets, self.commit)
+                        save()
+                    continue
                 measured = [r["wall_s"] for r in runs[name] if r.get("status") == "ok"]
                 prior = self.priors[self.variants.get(name, name)]
                 estimate = max(measured) if measured else prior * (1 + 0.25 * (len(sets) - 1))
