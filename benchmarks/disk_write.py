@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import json
 import mmap
@@ -106,9 +107,13 @@ FILE_SIZES_MB = (4, 12, 48)
 BATCH_FILES = 64
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def _syncfs(fd: int) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.syncfs(fd) != 0:
+    if _libc().syncfs(fd) != 0:
         raise OSError(ctypes.get_errno(), "syncfs")
 
 
@@ -120,7 +125,6 @@ def _extract_like(folder: Path, names: list[str], payload: bytes) -> None:
             handle.write(payload)
         digest = hashlib.sha256()
         with tmp.open("rb", buffering=0) as handle:
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_NORMAL)
             _start_writeback(handle.fileno())
             while count := handle.readinto(buffer):
                 digest.update(memoryview(buffer)[:count])
@@ -129,8 +133,8 @@ def _extract_like(folder: Path, names: list[str], payload: bytes) -> None:
 
 
 def _start_writeback(fd: int) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.sync_file_range(ctypes.c_int(fd), ctypes.c_longlong(0), ctypes.c_longlong(0), ctypes.c_uint(2))
+    """extract's ``files.start_writeback`` (sync_file_range, SYNC_FILE_RANGE_WRITE), standard library only."""
+    _libc().sync_file_range(ctypes.c_int(fd), ctypes.c_longlong(0), ctypes.c_longlong(0), ctypes.c_uint(2))
 
 
 def _batches(folder: Path, total: int, size: int, threads: int, way: str, payload: bytes) -> float:

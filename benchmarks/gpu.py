@@ -480,15 +480,11 @@ class Bench:
         self, kind: str, name: str, base: str, spec: dict[str, Any], round_: int, timeout: float, env: dict[str, str]
     ) -> dict[str, Any]:
         """``spec-compat extract`` once per set (each its own process and engine)."""
-        root = self.extract_root(base)
-        disk = self.measure_disk(root) if base == "extract" else None
-        extract_args = self.args.variant_args.get(name, self.args.extract_args)
         started = time.perf_counter()
         sets: dict[str, Any] = {}
         for entry in spec["sets"]:
             left = timeout - (time.perf_counter() - started)
-            log = self.logs / f"{kind}_r{round_}_{name}_{entry['name']}.log"
-            sets[entry["name"]] = {**self.run_extract(spec, entry, log, left, root, extract_args, env), "disk": disk}
+            sets[entry["name"]] = self.run_extract_set(kind, name, base, spec, entry, round_, left, env)
         statuses = {r["status"] for r in sets.values()}
         status = "ok" if statuses == {"ok"} else ("failed" if "ok" not in statuses else "partial")
         return {"status": status, "wall_s": time.perf_counter() - started, "sets": sets}
@@ -514,14 +510,10 @@ class Bench:
                     reason = f"{left:.0f} s of budget left, {'measured' if walls else 'assumed'} {estimate:.0f} s"
                     record["sets"][entry["name"]] = {"status": "not-run", "reason": reason}
                     continue
-                root = self.extract_root(base)
-                disk = self.measure_disk(root) if base == "extract" else None
                 env = {**self.env, **self.args.variant_env.get(name, {})}
-                extract_args = self.args.variant_args.get(name, self.args.extract_args)
-                log = self.logs / f"{kind}_r{round_}_{name}_{entry['name']}.log"
                 timeout = min(left, self.args.path_timeout_s)
-                done = self.run_extract(spec, entry, log, timeout, root, extract_args, env)
-                record["sets"][entry["name"]] = {**done, "disk": disk}
+                done = self.run_extract_set(kind, name, base, spec, entry, round_, timeout, env)
+                record["sets"][entry["name"]] = done
                 record["wall_s"] += float(done.get("wall_s") or 0.0)
                 walls.append(float(done.get("wall_s") or 0.0))
         for record in records.values():
@@ -530,6 +522,24 @@ class Bench:
             if statuses - {"ok", "not-run"} and "ok" not in statuses:
                 record["status"] = "failed"
         return records
+
+    def run_extract_set(
+        self,
+        kind: str,
+        name: str,
+        base: str,
+        spec: dict[str, Any],
+        entry: dict[str, Any],
+        round_: int,
+        timeout: float,
+        env: dict[str, str],
+    ) -> dict[str, Any]:
+        """One set of path ``name`` (an extract path or a variant of one), with the disk it wrote to."""
+        root = self.extract_root(base)
+        disk = self.measure_disk(root) if base == "extract" else None
+        extract_args = self.args.variant_args.get(name, self.args.extract_args)
+        log = self.logs / f"{kind}_r{round_}_{name}_{entry['name']}.log"
+        return {**self.run_extract(spec, entry, log, timeout, root, extract_args, env), "disk": disk}
 
     def run_extract(
         self,

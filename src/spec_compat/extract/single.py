@@ -71,9 +71,8 @@ def run(config: ExtractConfig) -> int:
         save_dtype = formats.state_dtype(config)
         lengths = [min(len(s.input_ids), limit) for s in todo]
         slots = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 0) or None
-        batches = plan_batches(
-            lengths, config.batch_size or slots or 16, config.batch_tokens, slots, tail_batches(config.pending_batches)
-        )
+        tail = tail_batches(config.pending_batches)  # SPEC_COMPAT_EXTRACT_TAPER, read once for the plan and stats
+        batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots, tail)
         progress = Progress(len(todo), sum(lengths))
         first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
         generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
@@ -174,7 +173,7 @@ def run(config: ExtractConfig) -> int:
         "writer_nice": writer.nice,
         "pending_batches": config.pending_batches,
         "writer_room": "bytes" if writer.by_bytes else "batches",  # SPEC_COMPAT_WRITER_BYTE_WINDOW
-        "tail_batches": tail_batches(config.pending_batches),  # SPEC_COMPAT_EXTRACT_TAPER
+        "tail_batches": tail,
         "zip_crc32": zip_crc32,
         "fsync": config.fsync,
         "direct_io": staging is not None,

@@ -192,14 +192,15 @@ class BackgroundWriter:
             with self.room:
                 self.unwritten += size
             future = self._submit_file(name, payload)
-            future.add_done_callback(functools.partial(self._file_done, size))
+            future.add_done_callback(functools.partial(self._room_freed, size))
             files.append((idx, name, future))
         batch = self.recorder.submit(self._record, files)
-        batch.add_done_callback(functools.partial(self._file_done, 0))
+        batch.add_done_callback(functools.partial(self._room_freed, 0))
         self.in_flight.append(batch)
         self.handoff_s += time.perf_counter() - started
 
-    def _file_done(self, size: int, _: Future[Any]) -> None:
+    def _room_freed(self, size: int, _: Future[Any]) -> None:
+        """A file done (``size`` of its bytes) or a batch recorded (0): wake a loop waiting for room."""
         with self.room:
             self.unwritten -= size
             self.room.notify_all()
