@@ -89,7 +89,6 @@ DEFAULT_PATHS = PATHS[:5]  # shim_without (the shim with --shim-disable's adapte
 # as extract's are: the same durability on the same disk (native alone writes to /dev/shm, never fsync'd)
 NATIVE_PATHS = ("native", "native_disk")
 REQUIRED_KEYS = ("shim_vs_native", "extract_vs_native", "shim_vs_llm_eager", "overhead_fraction")
-TARGET_PATHS = frozenset({"shim", "native", "extract"})  # what issue 27's targets (TARGETS) are ratios of
 TARGETS = {
     "shim_vs_native": (">=", 0.8),
     "extract_vs_native": (">=", 0.8),
@@ -683,6 +682,43 @@ class Bench:
         section["prompt_sets"] = prompt_set_ratios(section["paths"], self.args.prompt_sets, self.commit)
 
 
+def extract_phases(stats: dict[str, Any]) -> dict[str, float] | None:
+    """An extract run's seconds in three phases, from its ``timeline`` (diagnostic, not the target's rate).
+
+    - fill: the first ``--pending-batches`` batches, while the pipeline fills (the worker's segments are
+      made and mapped, the writer starts its first files); the first of them is the warm-up the target's
+      rate already leaves out;
+    - middle: the full-size batches after them, the writer at most ``--pending-batches`` behind: the
+      pace a run keeps for as long as it lasts (``middle_tokens_per_s``);
+    - end: the smaller batches of the tapered tail and the drain, until the last file is on the disk.
+
+    ``fixed_s``: the run's seconds after its first batch less what its tokens take at the middle's pace,
+    what a run of any length pays once (run Y: 0.3-0.9 s of 5-6 s runs of 0.7M tokens). None when the
+    run has no full-size batch after its fill."""
+    timeline = stats.get("timeline") or []
+    fill = max(1, int(stats.get("pending_batches") or 1))
+    extract_s, first_s = stats.get("extract_s"), stats.get("first_batch_s")
+    if len(timeline) <= fill or extract_s is None or first_s is None:
+        return None
+    largest = max(tokens for _, _, tokens in timeline)
+    last_full = max(i for i, (_, _, tokens) in enumerate(timeline) if tokens > largest / 2)
+    middle_s = timeline[last_full][1] - timeline[fill - 1][1]
+    if last_full < fill or middle_s <= 0:
+        return None
+    middle_rate = sum(tokens for _, _, tokens in timeline[fill : last_full + 1]) / middle_s
+    after_first = sum(tokens for _, _, tokens in timeline[1:])
+    return {
+        "fill_s": timeline[fill - 1][1],
+        "fill_tokens": sum(tokens for _, _, tokens in timeline[:fill]),
+        "middle_s": middle_s,
+        "middle_batches": last_full + 1 - fill,
+        "middle_tokens_per_s": middle_rate,
+        "end_s": extract_s - timeline[last_full][1],
+        "end_tokens": sum(tokens for _, _, tokens in timeline[last_full + 1 :]),
+        "fixed_s": (extract_s - first_s) - after_first / middle_rate,
+    }
+
+
 def extract_breakdown(stats: dict[str, Any]) -> str:
     """Where an extract loop's time went (its extract_stats.json), or "" for another path."""
     if "drain_s" not in stats:
@@ -690,7 +726,17 @@ def extract_breakdown(stats: dict[str, Any]) -> str:
     s = {key: f"{stats[key]:.2f}" for key in ("extract_s", "generate_s", "handoff_s", "writer_wait_s", "drain_s")}
     return (
         f" ({s['extract_s']} s: generate {s['generate_s']} s, handing over {s['handoff_s']} s,"
-        f" waited {s['writer_wait_s']} s, drain {s['drain_s']} s of it{writer_threads_busy(stats)})"
+        f" waited {s['writer_wait_s']} s, drain {s['drain_s']} s of it{writer_threads_busy(stats)}{phases_text(stats)})"
+    )
+
+
+def phases_text(stats: dict[str, Any]) -> str:
+    phases = extract_phases(stats)
+    if phases is None:
+        return ""
+    return (
+        f"; fill {phases['fill_s']:.2f} s, middle {phases['middle_tokens_per_s']:,.0f} tok/s over"
+        f" {phases['middle_s']:.2f} s, end {phases['end_s']:.2f} s, fixed {phases['fixed_s']:.2f} s"
     )
 
 
@@ -824,6 +870,10 @@ def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], co
             # what the disk allows: its fsync'd write speed (8 threads) / the bytes extract wrote per token
             "extract_disk_bound_tokens_per_s": disk_bound(paths, name),
             "extract_vs_disk_bound": ratio(med("extract", name), disk_bound(paths, name)),
+            # diagnostic: extract's pace between its pipeline's fill and its end (extract_phases), the rate a
+            # long run approaches, and the seconds a run of any length pays once on top
+            "extract_middle_vs_native": ratio(extract_phase(paths, name, "middle_tokens_per_s"), med("native", name)),
+            "extract_fixed_s": extract_phase(paths, name, "fixed_s"),
             # the most any writer of extract's bytes could reach against native in RAM on this disk, fsync'd
             "disk_bound_vs_native": ratio(disk_bound(paths, name), med("native", name)),
             "overhead_fraction": shim.get("overhead_fraction"),
@@ -849,6 +899,13 @@ def prompt_set_ratios(paths: dict[str, dict[str, Any]], set_names: list[str], co
             "commit": commit,
         }
     return out
+
+
+def extract_phase(paths: dict[str, dict[str, Any]], set_name: str, key: str) -> float | None:
+    """``key`` of the extract path's phases for ``set_name`` (its first ok run's stats; older records too)."""
+    stats = paths.get("extract", {}).get("sets", {}).get(set_name, {}).get("stats") or {}
+    value: float | None = (extract_phases(stats) or {}).get(key)
+    return value
 
 
 def disk_bound(paths: dict[str, dict[str, Any]], set_name: str) -> float | None:
@@ -920,17 +977,26 @@ def print_table(result: dict[str, Any]) -> None:
     )
     head = f"{'model':6s} {'set':9s} " + " ".join(f"{p:>12s}" for p in shown)
     print(head + f" {'shim/nat':>9s} {'extr/nat':>9s} {'shm/nat':>8s} {'ex/disk':>8s} {'own':>6s} {'bitwise':>8s}")
+    footnote = False
     for kind, section in result["per_model"].items():
         for name, entry in section.get("prompt_sets", {}).items():
             rates = entry.get("tokens_per_s", {})
+            # extract's tokens/s from the invocation its ratios come from (merged files: one_run_ratios)
+            extract_rates = entry.get("extract_tokens_per_s") or {}
+            rates = {**rates, **{p: v for p, v in extract_rates.items() if p not in SHIM_SIDE}}
             cells = " ".join(f"{rates[p]:>12,.0f}" if p in rates else f"{'-':>12s}" for p in shown)
             equal = entry.get("bitwise_equal")
+            apart = entry.get("extract_ratios_from", entry.get("ratios_from")) != entry.get("ratios_from")
+            footnote = footnote or apart
             print(
                 f"{kind:6s} {name:9s} {cells} {fmt(entry.get('shim_vs_native')):>9s} "
-                f"{fmt(entry.get('extract_vs_native')):>9s} {fmt(entry.get('extract_shm_vs_native')):>8s} "
+                f"{fmt(entry.get('extract_vs_native')) + ('*' if apart else ''):>9s} "
+                f"{fmt(entry.get('extract_shm_vs_native')):>8s} "
                 f"{fmt(entry.get('extract_vs_disk_bound')):>8s} {fmt(entry.get('overhead_fraction')):>6s} "
                 f"{'n/a' if equal is None else str(equal):>8s}"
             )
+    if footnote:
+        print("* extract's ratios (and tokens/s) from a later invocation than the shim's, against that one's native")
     keys = (*REQUIRED_KEYS, "extract_vs_native_disk", "disk_bound_vs_native")
     print("worst over models and sets: " + ", ".join(f"{k} {fmt(result.get(k))}" for k in keys))
     for key, target in result.get("targets", {}).items():
@@ -944,35 +1010,58 @@ def fmt(value: Any) -> str:
 
 
 POOLED_KEYS = ("bitwise_equal", "shim_deterministic")
+SHIM_SIDE = ("shim", "shim_without", "native")  # paths whose tokens/s the shim's group of ratios shows
+
+
+# Which paths each group of a set's ratios is taken from (one_run_ratios): the shim's ratios need shim and
+# native side by side, extract's need native and extract; an invocation may measure one group only (a lever A/B).
+RATIO_GROUPS = {"shim": frozenset({"shim", "native"}), "extract": frozenset({"native", "extract"})}
+EXTRACT_GROUP_PREFIXES = ("extract", "disk_bound", "native_disk", "variants")
 
 
 def one_run_ratios(kind: str, section: dict[str, Any], files: list[Path], parts: list[dict[str, Any]]) -> None:
-    """Per prompt set, every ratio from ONE invocation, never from runs pooled across invocations: the
-    latest (files are merged oldest first) that measured every path the targets need (``TARGET_PATHS``),
-    so a newer data path's figures replace an older one's; where none did, the one that measured the
-    most paths for that set, the later on a tie. Only ``bitwise_equal`` and ``shim_deterministic`` come
-    from the pooled digests (every invocation's shim and shim_without returned the same bytes).
-    ``ratios_from`` names the file."""
+    """Per prompt set, each group of ratios (``RATIO_GROUPS``) from ONE invocation, never from runs pooled
+    across invocations: the latest (files are merged oldest first) that measured that group's paths, so a
+    newer data path's figures replace an older one's, also from an invocation that ran one group only
+    (run Y's extract A/B had no shim); where none did, the one that measured the most paths for that set,
+    the later on a tie. Only ``bitwise_equal`` and ``shim_deterministic`` come from the pooled digests
+    (every invocation's shim and shim_without returned the same bytes). ``ratios_from`` and ``commit``
+    name the shim group's file and commit, ``extract_ratios_from`` and ``extract_commit`` the extract
+    group's; ``extract_tokens_per_s`` the extract group's tokens/s per path."""
     for name, entry in section.get("prompt_sets", {}).items():
-        best: tuple[bool, int, int] | None = None
-        chosen: tuple[Path, dict[str, Any]] | None = None
-        for index, (file, part) in enumerate(zip(files, parts, strict=True)):
-            paths = part["per_model"].get(kind, {}).get("paths", {})
-            done = {
-                label for label, path in paths.items() if path.get("sets", {}).get(name, {}).get("tokens_per_s_median")
-            }
-            complete = done.issuperset(TARGET_PATHS)
-            rank = (complete, 0 if complete else len(done), index)
-            if done and (best is None or rank >= best):
-                best, chosen = rank, (file, paths)
-                commit = part.get("versions", {}).get("spec_compat") or entry.get("commit")
-        if chosen is None:
-            continue
-        file, paths = chosen
-        # the commit of the invocation the ratios come from, not the first merged file's
-        fresh = prompt_set_ratios(paths, [name], commit)[name]
-        entry.update({key: value for key, value in fresh.items() if key not in POOLED_KEYS})
-        entry["ratios_from"] = str(file)
+        for group, needed in RATIO_GROUPS.items():
+            chosen = _latest_with(kind, name, files, parts, needed)
+            if chosen is None:
+                continue
+            file, paths, commit = chosen
+            fresh = prompt_set_ratios(paths, [name], commit or entry.get("commit"))[name]
+            if group == "extract":
+                entry.update({k: v for k, v in fresh.items() if k.startswith(EXTRACT_GROUP_PREFIXES)})
+                entry.update(extract_ratios_from=str(file), extract_commit=fresh["commit"])
+                entry["extract_tokens_per_s"] = fresh["tokens_per_s"]
+            else:
+                keep = {*POOLED_KEYS, "extract_ratios_from", "extract_commit", "extract_tokens_per_s"}
+                shim_side = {k: v for k, v in fresh.items() if not k.startswith(EXTRACT_GROUP_PREFIXES)}
+                entry.update({k: v for k, v in shim_side.items() if k not in keep})
+                entry["ratios_from"] = str(file)
+
+
+def _latest_with(
+    kind: str, set_name: str, files: list[Path], parts: list[dict[str, Any]], needed: frozenset[str]
+) -> tuple[Path, dict[str, Any], str | None] | None:
+    """The latest invocation that measured ``needed`` for the set, else the one with the most paths for it."""
+    best: tuple[bool, int, int] | None = None
+    chosen: tuple[Path, dict[str, Any], str | None] | None = None
+    for index, (file, part) in enumerate(zip(files, parts, strict=True)):
+        paths = part["per_model"].get(kind, {}).get("paths", {})
+        done = {
+            label for label, path in paths.items() if path.get("sets", {}).get(set_name, {}).get("tokens_per_s_median")
+        }
+        complete = done.issuperset(needed)
+        rank = (complete, 0 if complete else len(done), index)
+        if done and (best is None or rank >= best):
+            best, chosen = rank, (file, paths, part.get("versions", {}).get("spec_compat"))
+    return chosen
 
 
 def model_key(kind: str, part: dict[str, Any], first: dict[str, Any]) -> str:

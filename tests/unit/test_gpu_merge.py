@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from gpu import merge
@@ -63,8 +65,32 @@ def test_a_later_invocation_with_the_target_paths_replaces_one_with_more_paths(t
     assert chat["commit"] == "def5678"
 
 
-def test_a_later_invocation_without_extract_does_not_replace_one_with_it(tmp_path: Path) -> None:
+def _chat_ratio(record: Path, key: str) -> Any:
+    return json.loads(record.read_text())["per_model"]["moe"]["prompt_sets"]["chat"][key]
+
+
+def test_a_later_invocation_without_extract_replaces_the_shim_ratios_only(tmp_path: Path) -> None:
     newer = _copy(tmp_path, "newer.json", "def5678", ("extract",))
     chat = _merged_chat(tmp_path, newer)
-    assert chat["ratios_from"] == str(RECORD)
-    assert chat["commit"] == "c863c88"
+    assert chat["ratios_from"] == str(newer) and chat["commit"] == "def5678"
+    assert chat["extract_ratios_from"] == str(RECORD) and chat["extract_commit"] == "c863c88"
+    assert chat["extract_vs_native"] == _chat_ratio(RECORD, "extract_vs_native") is not None
+
+
+def test_a_later_extract_a_b_without_shim_replaces_the_extract_ratios_only(tmp_path: Path) -> None:
+    """Run Y's lever A/B measured native and extract but no shim: its extract ratios are the newest,
+    the shim's stay those of the invocation that measured shim and native side by side."""
+    record = json.loads(RECORD.read_text())
+    record["versions"]["spec_compat"] = "def5678"
+    del record["per_model"]["moe"]["paths"]["shim"]
+    for entry in record["per_model"]["moe"]["paths"]["extract"]["sets"].values():
+        entry["tokens_per_s_median"] *= 2  # a faster extract, told apart
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(record))
+
+    chat = _merged_chat(tmp_path, newer)
+
+    assert chat["ratios_from"] == str(RECORD) and chat["commit"] == "c863c88"
+    assert chat["shim_vs_native"] == _chat_ratio(RECORD, "shim_vs_native")
+    assert chat["extract_ratios_from"] == str(newer) and chat["extract_commit"] == "def5678"
+    assert chat["extract_vs_native"] == pytest.approx(2 * _chat_ratio(RECORD, "extract_vs_native"))

@@ -1,0 +1,38 @@
+"""benchmarks/gpu.py: an extract run's seconds split into fill, middle and end (extract_phases)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+
+def test_phases_split_the_fill_the_full_size_middle_and_the_tapered_end() -> None:
+    from gpu import extract_phases
+
+    # batch 0 (warm-up) 0.5 s, batch 1 slow (0.4 s: the pipeline fills), then 4 full batches of 30k at 0.2 s
+    # each (150k tokens/s), then a tail of two 7.5k batches taking 0.3 s and a 0.1 s drain
+    timeline = [[0.49, 0.5, 30000], [0.89, 0.9, 30000]]
+    timeline += [[0.9 + 0.2 * i - 0.01, 0.9 + 0.2 * i, 30000] for i in range(1, 5)]
+    timeline += [[1.85, 1.85, 7500], [2.0, 2.0, 7500]]
+    stats = {"timeline": timeline, "pending_batches": 2, "extract_s": 2.1, "first_batch_s": 0.5}
+
+    phases = extract_phases(stats)
+
+    assert phases is not None
+    assert phases["fill_s"] == pytest.approx(0.9) and phases["fill_tokens"] == 60000
+    assert phases["middle_batches"] == 4 and phases["middle_tokens_per_s"] == pytest.approx(150000)
+    assert phases["end_s"] == pytest.approx(0.4) and phases["end_tokens"] == 15000
+    # 1.6 s after the first batch for 165k tokens, of which 1.1 s at the middle's pace: 0.5 s paid once
+    assert phases["fixed_s"] == pytest.approx(0.5)
+
+
+def test_no_phases_without_a_full_size_batch_after_the_fill() -> None:
+    from gpu import extract_phases
+
+    stats = {"timeline": [[0.5, 0.5, 30000], [0.9, 0.9, 30000], [1.0, 1.0, 5000]], "pending_batches": 2}
+    assert extract_phases({**stats, "extract_s": 1.1, "first_batch_s": 0.5}) is None
+    assert extract_phases({"timeline": [], "pending_batches": 2, "extract_s": 1.0, "first_batch_s": 0.5}) is None
