@@ -190,6 +190,12 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     assert all(generated <= handed for generated, handed, _ in timeline), timeline
     assert [handed for _, handed, _ in timeline] == sorted(handed for _, handed, _ in timeline)
     assert 0 <= stats["drain_s"] <= stats["writer_wait_s"] and timeline[-1][1] + stats["drain_s"] <= stats["extract_s"]
+    # per batch, the engine loop's timings it added: they sum to the run's (rounding aside)
+    per_batch = stats["batch_timings"]
+    assert len(per_batch) == stats["batches"] and all(b.get("rpc:execute_model", 0) > 0 for b in per_batch), per_batch
+    forward_s = stats["timings"]["rpc:execute_model"]
+    assert sum(b["rpc:execute_model"] for b in per_batch) == pytest.approx(forward_s, abs=0.01)
+    assert not any(label.startswith(("extract:", "own:")) for b in per_batch for label in b)
     # each sample's states went from the worker's shared memory to the writer process, no driver copy
     assert stats["writer"] == "process" and stats["written_by_process"] == len(lines), stats
     assert stats["timings"].get("extract:torch-save", 0) > 0  # the process's own timings came back
@@ -391,6 +397,21 @@ def test_cli_errors_are_one_line(
     assert code == 2
     assert message in stderr and "Traceback" not in stderr, stderr[-2000:]
     assert len([line for line in stderr.splitlines() if "error:" in line]) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_taper_setting_is_one_line_before_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from spec_compat.cli import main
+
+    monkeypatch.setenv("SPEC_COMPAT_EXTRACT_TAPER", "quarter")
+    command = _command(_dataset(tmp_path / "data.jsonl", 3), tmp_path / "out")[3:]
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in stderr
+    assert "SPEC_COMPAT_EXTRACT_TAPER='quarter': want a whole number" in stderr
     assert not (tmp_path / "out").exists()
 
 

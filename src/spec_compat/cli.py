@@ -134,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         return run(as_json=args.json, explain=args.explain)
     if args.command == "extract":
         from .errors import IncompatibleError
-        from .extract import ExtractConfig, ExtractError, WriteFailed, default_writer_threads, parse_shard
+        from .extract import (
+            ExtractConfig,
+            ExtractError,
+            WriteFailed,
+            default_writer_threads,
+            parse_shard,
+            taper_divisor,
+        )
         from .extract import run as run_extract
 
         try:
@@ -158,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             extract.error("--ray-address needs --replicas N")
         if args.max_retries < 0:
             extract.error(f"--max-retries must be >= 0, got {args.max_retries}")
+        try:
+            taper_divisor()  # SPEC_COMPAT_EXTRACT_TAPER, refused here rather than after the engine loads
+        except ValueError as exc:
+            extract.error(str(exc))
         # the options stored under the config field's own name, then those renamed or derived
         same_name = (
             "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",

@@ -60,10 +60,18 @@ def test_plan_batches_tapers_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
     lengths = [(i * 37) % 900 + 1 for i in range(500)]
     batches = extract.plan_batches(lengths, max_samples=100, max_tokens=30000, slots=32, tail=2)
     assert [b for a in batches for b in range(*a)] == list(range(500))
-    # the switch: SPEC_COMPAT_EXTRACT_TAPER=0 plans no tail
-    assert extract.tail_batches(3) == 3
-    monkeypatch.setenv("SPEC_COMPAT_EXTRACT_TAPER", "0")
-    assert extract.tail_batches(3) == 0
+    # the switch: SPEC_COMPAT_EXTRACT_TAPER=0 (or 1) plans no tail, N batches of 1/N, default 4
+    assert extract.tail_batches(3) == 3 and extract.taper_divisor() == 4
+    for off in ("0", "1"):
+        monkeypatch.setenv("SPEC_COMPAT_EXTRACT_TAPER", off)
+        assert extract.tail_batches(3) == 0
+    monkeypatch.setenv("SPEC_COMPAT_EXTRACT_TAPER", "2")
+    assert extract.tail_batches(3) == 3 and extract.taper_divisor() == 2
+    halves = extract.plan_batches([100] * 40, 64, 400, tail=2, divisor=extract.taper_divisor())
+    assert halves == whole[:-2] + [(i, i + 2) for i in range(32, 40, 2)]
+    monkeypatch.setenv("SPEC_COMPAT_EXTRACT_TAPER", "half")
+    with pytest.raises(ValueError, match="SPEC_COMPAT_EXTRACT_TAPER='half': want a whole number"):
+        extract.tail_batches(3)
 
 
 def _payload(n: int, value: float) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os  # noqa: F401 - ``extract.os``: tests patch os functions through it, as when this was one module
 
-from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches
+from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches, taper_divisor
 from .config import (
     FORMAT,
     LENGTHS,
@@ -100,5 +100,6 @@ __all__ = [
     "sample_payloads",
     "sha256_of",
     "tail_batches",
+    "taper_divisor",
     "write_sample",
 ]

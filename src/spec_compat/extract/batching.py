@@ -36,25 +36,39 @@ class Progress:
         sys.stderr.write("\n")
 
 
-# "0": the last batches as large as the others (no tapered tail), for an A/B on the GPU
+# N: the tail's batches take at most max_tokens / N tokens; "0" (or "1"): the last batches as large as the
+# others (no tapered tail). For A/Bs on the GPU (run Y: the tail's 6-8 small batches each pay a call's fixed cost).
 TAPER_ENV = "SPEC_COMPAT_EXTRACT_TAPER"
-TAPER_DIVISOR = 4  # the tail's batches take at most max_tokens / this many tokens
+TAPER_DIVISOR = 4  # the default N
+
+
+def taper_divisor() -> int:
+    """SPEC_COMPAT_EXTRACT_TAPER as a whole number (default ``TAPER_DIVISOR``); anything else is refused."""
+    value = os.environ.get(TAPER_ENV, str(TAPER_DIVISOR)).strip()
+    if not value.isdigit():
+        raise ValueError(f"{TAPER_ENV}={value!r}: want a whole number (0: no tapered tail, N: batches of 1/N)")
+    return int(value)
 
 
 def tail_batches(pending_batches: int) -> int:
     """How many of the last batches ``plan_batches`` replans smaller: as many as the writer holds
-    at the end (``--pending-batches``), or 0 with SPEC_COMPAT_EXTRACT_TAPER=0."""
-    return 0 if os.environ.get(TAPER_ENV, "1") == "0" else pending_batches
+    at the end (``--pending-batches``), or 0 with SPEC_COMPAT_EXTRACT_TAPER=0 (or 1)."""
+    return 0 if taper_divisor() <= 1 else pending_batches
 
 
 def plan_batches(
-    lengths: list[int], max_samples: int, max_tokens: int, slots: int | None = None, tail: int = 0
+    lengths: list[int],
+    max_samples: int,
+    max_tokens: int,
+    slots: int | None = None,
+    tail: int = 0,
+    divisor: int = TAPER_DIVISOR,
 ) -> list[tuple[int, int]]:
     """[start, end) runs of consecutive samples: at most ``max_samples`` and ``max_tokens`` each
     (a single sample longer than ``max_tokens`` is a batch of its own).
 
-    ``tail``: the samples of the last ``tail`` batches are replanned with a quarter of
-    ``max_tokens`` (a tapered tail). Why: when the last ``generate()`` returns, the writer still
+    ``tail``: the samples of the last ``tail`` batches are replanned with ``max_tokens / divisor``
+    (a quarter by default: a tapered tail). Why: when the last ``generate()`` returns, the writer still
     holds up to ``--pending-batches`` batches, and the run ends only when they are on the disk
     (H200, run W: the end's wait was about 0.5 s of a 7-9 s extract of 0.7M tokens, two 32k-token
     batches at 2.1 GB/s). Smaller last batches leave a quarter of that to wait for where the writer
@@ -70,7 +84,7 @@ def plan_batches(
     batches = _plan(lengths, 0, max_samples, max_tokens, slots)
     if tail and len(batches) > tail:
         start = batches[-tail][0]
-        smaller = _plan(lengths, start, max_samples, max(1, max_tokens // TAPER_DIVISOR), slots)
+        smaller = _plan(lengths, start, max_samples, max(1, max_tokens // max(1, divisor)), slots)
         if len(smaller) > tail:
             batches = batches[:-tail] + smaller
     return batches

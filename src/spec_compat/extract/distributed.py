@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from . import formats
-from .batching import plan_batches, tail_batches
+from .batching import plan_batches, tail_batches, taper_divisor
 from .config import MANIFEST, STATS, ExtractConfig, ExtractError, Sample, WriteFailed
 from .dataset import checked_samples
 from .files import _write_json_atomic
@@ -177,7 +177,12 @@ class Job:
             WorkItem(i, self.todo[begin:end], sum(lengths[begin:end]))
             for i, (begin, end) in enumerate(
                 plan_batches(
-                    lengths, max_samples, self.config.batch_tokens, slots, tail_batches(self.config.pending_batches)
+                    lengths,
+                    max_samples,
+                    self.config.batch_tokens,
+                    slots,
+                    tail_batches(self.config.pending_batches),
+                    taper_divisor(),
                 )
             )
         )

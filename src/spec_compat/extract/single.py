@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from . import formats
-from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches
+from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches, taper_divisor
 from .config import STATS, ExtractConfig, ExtractError, WriteFailed
 from .dataset import checked_samples
 from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
@@ -71,14 +71,17 @@ def run(config: ExtractConfig) -> int:
         save_dtype = formats.state_dtype(config)
         lengths = [min(len(s.input_ids), limit) for s in todo]
         slots = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 0) or None
-        tail = tail_batches(config.pending_batches)  # SPEC_COMPAT_EXTRACT_TAPER, read once for the plan and stats
-        batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots, tail)
+        # SPEC_COMPAT_EXTRACT_TAPER, read once for the plan and the stats
+        tail, divisor = tail_batches(config.pending_batches), taper_divisor()
+        batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots, tail, divisor)
         progress = Progress(len(todo), sum(lengths))
         first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
         generate_s = prepare_s = 0.0  # where the engine loop's time goes (the rest: waiting for the writer)
         # per batch, seconds since the loop began: its generate() returned, its files were handed to the
         # writer (after any wait for room), its tokens: the loop's rate between the first batch and the drain
         timeline: list[tuple[float, float, int]] = []
+        batch_timings: list[dict[str, float]] = []  # per batch, the engine loop's timings() labels it added
+        before: dict[str, float] = {}
         spec_compat.reset_timings()  # the engine start's RPCs are not the loop's
         started = time.perf_counter()
         try:
@@ -108,6 +111,7 @@ def run(config: ExtractConfig) -> int:
                         return 1
                 handed = time.perf_counter() - started
                 timeline.append((round(prepare_started - started, 4), round(handed, 4), sum(lengths[begin:end])))
+                before = _add_batch_timings(batch_timings, before)
                 if first_batch is None:
                     first_batch = (handed, sum(lengths[begin:end]))
                 progress.update(len(batch), sum(lengths[begin:end]))
@@ -167,6 +171,7 @@ def run(config: ExtractConfig) -> int:
         "drain_s": drain_s,  # of writer_wait_s: after the last batch, until the batches in flight were written
         "handoff_s": writer.handoff_s,  # handing the files to the writer (to its process: describing, sending)
         "timeline": timeline,  # [generate() returned, handed to the writer, tokens] per batch
+        "batch_timings": batch_timings,  # per batch: rpc: / transfer: seconds (which batch made a segment, ...)
         "writer": "process" if process is not None else "threads",
         "written_by_process": process.samples if process is not None else 0,  # the rest: by driver threads
         "writer_threads": config.writer_threads,
@@ -174,6 +179,7 @@ def run(config: ExtractConfig) -> int:
         "pending_batches": config.pending_batches,
         "writer_room": "bytes" if writer.by_bytes else "batches",  # SPEC_COMPAT_WRITER_BYTE_WINDOW
         "tail_batches": tail,
+        "taper_divisor": divisor if tail else None,
         "zip_crc32": zip_crc32,
         "fsync": config.fsync,
         "direct_io": staging is not None,
@@ -211,6 +217,20 @@ def transfer_counts(mappings: Any) -> dict[str, int] | None:
         "replies_handed_over": getattr(mappings, "held_count", 0),
         "copied_limit": getattr(mappings, "refused", 0),
     }
+
+
+LOOP_LABELS = ("rpc:", "transfer:")  # timings() of the engine loop's calls (extract: labels are the writer's)
+
+
+def _add_batch_timings(batch_timings: list[dict[str, float]], before: dict[str, float]) -> dict[str, float]:
+    """Append what one batch added to the engine loop's ``spec_compat.timings()`` (labels of at least a
+    millisecond), and return the totals to measure the next batch from."""
+    import spec_compat
+
+    now = {label: seconds for label, seconds in spec_compat.timings().items() if label.startswith(LOOP_LABELS)}
+    added = {label: round(seconds - before.get(label, 0.0), 4) for label, seconds in now.items()}
+    batch_timings.append({label: seconds for label, seconds in added.items() if seconds >= 0.001})
+    return now
 
 
 def _close_quietly(writer: BackgroundWriter) -> None:
