@@ -737,7 +737,18 @@ def phases_text(stats: dict[str, Any]) -> str:
     return (
         f"; fill {phases['fill_s']:.2f} s, middle {phases['middle_tokens_per_s']:,.0f} tok/s over"
         f" {phases['middle_s']:.2f} s, end {phases['end_s']:.2f} s, fixed {phases['fixed_s']:.2f} s"
+        f"{second_batch_text(stats)}"
     )
+
+
+def second_batch_text(stats: dict[str, Any]) -> str:
+    """The second batch's largest rpc: / transfer: seconds (extract_stats.json's ``batch_timings``, from
+    2816299): run Y's second batches took about twice a middle one, cause not yet measured."""
+    per_batch = stats.get("batch_timings") or []
+    if len(per_batch) < 2:
+        return ""
+    largest = sorted(per_batch[1].items(), key=lambda item: -item[1])[:4]
+    return "; second batch: " + ", ".join(f"{label} {seconds:.3f} s" for label, seconds in largest)
 
 
 def writer_threads_busy(stats: dict[str, Any]) -> str:

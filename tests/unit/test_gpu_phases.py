@@ -36,3 +36,12 @@ def test_no_phases_without_a_full_size_batch_after_the_fill() -> None:
     stats = {"timeline": [[0.5, 0.5, 30000], [0.9, 0.9, 30000], [1.0, 1.0, 5000]], "pending_batches": 2}
     assert extract_phases({**stats, "extract_s": 1.1, "first_batch_s": 0.5}) is None
     assert extract_phases({"timeline": [], "pending_batches": 2, "extract_s": 1.0, "first_batch_s": 0.5}) is None
+
+
+def test_the_second_batchs_largest_timings_are_printed() -> None:
+    from gpu import second_batch_text
+
+    per_batch = [{"rpc:execute_model": 0.1}, {"rpc:execute_model": 0.2, "transfer:worker-new-segment": 0.15}]
+    text = second_batch_text({"batch_timings": per_batch})
+    assert text == "; second batch: rpc:execute_model 0.200 s, transfer:worker-new-segment 0.150 s"
+    assert second_batch_text({"batch_timings": per_batch[:1]}) == "" == second_batch_text({})
