@@ -693,7 +693,7 @@ def extract_phases(stats: dict[str, Any]) -> dict[str, float] | None:
     - end: the smaller batches of the tapered tail and the drain, until the last file is on the disk.
 
     ``fixed_s``: the run's seconds after its first batch less what its tokens take at the middle's pace,
-    what a run of any length pays once (run Y: 0.3-0.9 s of 5-6 s runs of 0.7M tokens). None when the
+    what a run of any length pays once (run Y: 0.40-0.75 s of 5-7 s runs of 0.7M tokens). None when the
     run has no full-size batch after its fill."""
     timeline = stats.get("timeline") or []
     fill = max(1, int(stats.get("pending_batches") or 1))
