@@ -1051,9 +1051,8 @@ def one_run_ratios(kind: str, section: dict[str, Any], files: list[Path], parts:
                 entry.update(extract_ratios_from=str(file), extract_commit=fresh["commit"])
                 entry["extract_tokens_per_s"] = fresh["tokens_per_s"]
             else:
-                keep = {*POOLED_KEYS, "extract_ratios_from", "extract_commit", "extract_tokens_per_s"}
                 shim_side = {k: v for k, v in fresh.items() if not k.startswith(EXTRACT_GROUP_PREFIXES)}
-                entry.update({k: v for k, v in shim_side.items() if k not in keep})
+                entry.update({k: v for k, v in shim_side.items() if k not in POOLED_KEYS})
                 entry["ratios_from"] = str(file)
 
 

@@ -50,10 +50,11 @@ def taper_divisor() -> int:
     return int(value)
 
 
-def tail_batches(pending_batches: int) -> int:
+def tail_batches(pending_batches: int, divisor: int | None = None) -> int:
     """How many of the last batches ``plan_batches`` replans smaller: as many as the writer holds
-    at the end (``--pending-batches``), or 0 with SPEC_COMPAT_EXTRACT_TAPER=0 (or 1)."""
-    return 0 if taper_divisor() <= 1 else pending_batches
+    at the end (``--pending-batches``), or 0 with a divisor of 0 or 1 (``divisor``, else read from
+    SPEC_COMPAT_EXTRACT_TAPER)."""
+    return 0 if (taper_divisor() if divisor is None else divisor) <= 1 else pending_batches
 
 
 def plan_batches(

@@ -173,6 +173,7 @@ class Job:
         lengths = [min(len(s.input_ids), self.limit) for s in self.todo]
         slots = info["max_num_seqs"] or None
         max_samples = self.config.batch_size or slots or 16
+        divisor = taper_divisor()  # SPEC_COMPAT_EXTRACT_TAPER, read once for the plan
         self.queue = deque(
             WorkItem(i, self.todo[begin:end], sum(lengths[begin:end]))
             for i, (begin, end) in enumerate(
@@ -181,8 +182,8 @@ class Job:
                     max_samples,
                     self.config.batch_tokens,
                     slots,
-                    tail_batches(self.config.pending_batches),
-                    taper_divisor(),
+                    tail_batches(self.config.pending_batches, divisor),
+                    divisor,
                 )
             )
         )

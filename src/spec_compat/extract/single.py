@@ -72,7 +72,8 @@ def run(config: ExtractConfig) -> int:
         lengths = [min(len(s.input_ids), limit) for s in todo]
         slots = int(getattr(generator.scheduler, "max_num_running_reqs", 0) or 0) or None
         # SPEC_COMPAT_EXTRACT_TAPER, read once for the plan and the stats
-        tail, divisor = tail_batches(config.pending_batches), taper_divisor()
+        divisor = taper_divisor()
+        tail = tail_batches(config.pending_batches, divisor)
         batches = plan_batches(lengths, config.batch_size or slots or 16, config.batch_tokens, slots, tail, divisor)
         progress = Progress(len(todo), sum(lengths))
         first_batch: tuple[float, int] | None = None  # (seconds until its states went to the writer, tokens)
