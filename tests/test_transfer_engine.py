@@ -1,5 +1,6 @@
-"""The shared-memory transfer and the handover of its bytes to speculators' clones on a real engine:
-the same tensors, bit for bit, as vLLM's own RPC path with copying clones (the adapters disabled),
+"""The data path's speed-ups on a real engine: the shared-memory transfer, the handover of its bytes to
+speculators' clones and requests without prefix-cache hashes (block-hashes-off) give the same tensors,
+bit for bit, as vLLM's own RPC path with copying clones and hashed requests (the adapters disabled),
 for both speculators reply shapes, TP=1 and TP=2."""
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ import pytest
 from engine_harness import Cell, CellPool
 
 pytestmark = pytest.mark.engine
-TRANSFER = ("captured-states-shared-memory", "executor-shared-memory-replies", "driver-states-handover")
+SPEED_UPS = (
+    "captured-states-shared-memory",
+    "executor-shared-memory-replies",
+    "driver-states-handover",
+    "block-hashes-off",
+)
 CASES = [Cell("0.4.0.1", "qwen3_moe", 2), Cell("0.3.0", "dense", 1)]  # test_engine.py's cells, read again
-PAIRS = [(cell, Cell(cell.speculators, cell.family, cell.tp, disable=TRANSFER)) for cell in CASES]
+PAIRS = [(cell, Cell(cell.speculators, cell.family, cell.tp, disable=SPEED_UPS)) for cell in CASES]
 
 
 def _bitwise_equal(a: list[list[Any]], b: list[list[Any]]) -> bool:
@@ -36,6 +42,9 @@ def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell, without: Cell, engine
     assert pickled["transfer"]["segments_handed_over"] == 0
     assert shared["transfer"]["segments_handed_over"] >= 1  # speculators' clones kept the shared bytes
     assert shared["results_own_storage"] and pickled["results_own_storage"]
+    # speculators 0.4.x hashes prompt blocks unless block-hashes-off is on; 0.3.0 has no hasher either way
+    assert pickled["block_hasher_set"] is cell.speculators.startswith("0.4")
+    assert shared["block_hasher_set"] is False
     assert shared["input_ids"] == pickled["input_ids"]
     assert _bitwise_equal(shared["results"], pickled["results"])
     assert _bitwise_equal(shared["big_batch"]["results"], pickled["big_batch"]["results"])

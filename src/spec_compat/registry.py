@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .adapters.driver import (
     attention_backend,
+    block_hashes_off,
     block_size_from_platform,
     cpu_rms_norm_strided,
     device_memory_query,
@@ -147,6 +148,7 @@ ADAPTERS: tuple[Adapter, ...] = ordered(
         prefix_caching_off.PREFIX_CACHING_OFF,
         scheduler_config_encoder_decoder.SCHEDULER_CONFIG_ENCODER_DECODER,
         request_kwargs.REQUEST_KWARGS,
+        block_hashes_off.BLOCK_HASHES_OFF,
         cpu_rms_norm_strided.CPU_RMS_NORM_STRIDED,
         executor.EXECUTOR,
         executor_all_ranks_reply.EXECUTOR_ALL_RANKS_REPLY,

@@ -69,6 +69,8 @@ def run_one(spec: dict[str, Any], record: dict[str, Any]) -> None:
         **kwargs,
     )
     record["timings"]["init_s"] = time.perf_counter() - t0
+    # speculators 0.4.x's requests hash their prompt blocks unless block-hashes-off dropped the hasher
+    record["block_hasher_set"] = getattr(generator, "block_hasher", None) is not None
     try:
         t0 = time.perf_counter()
         results = generator.generate(spec["prompts"])
