@@ -146,11 +146,15 @@ HS_RUNS = Extract(
     read_back=True,
     rerun=True,
 )
-# the writer threads (--writer threads) instead of the default writer process
+# the writer threads (--writer threads) instead of the default writer process, and twice speculators' default
+# tokens per engine step (--max-num-batched-tokens)
 SHARDS = Extract(
     "shards",
     24,
-    tuple(("sharded", ("--shard", shard, "--batch-size", "4", "--writer", "threads")) for shard in ("0/2", "1/2")),
+    tuple(
+        ("sharded", ("--shard", shard, "--batch-size", "4", "--writer", "threads", "--max-num-batched-tokens", "16384"))
+        for shard in ("0/2", "1/2")
+    ),
 )
 SKIP = Extract("skip", 12, (("skip", ("--batch-size", "4", "--on-error", "skip")),), bad=(5,))
 
@@ -230,6 +234,9 @@ def test_two_shards_equal_one_run(full_run: tuple[Path, Path], engine_cells: Cel
     assert len(shards.procs) == 2
     stats = json.loads((shards.outs["sharded"] / "extract_stats.json").read_text())  # the second shard's
     assert stats["writer"] == "threads" and stats["written_by_process"] == 0, stats
+    assert stats["max_num_batched_tokens"] == 16384, stats  # the engine took the step budget asked for
+    whole_stats = json.loads((out / "extract_stats.json").read_text())
+    assert whole_stats["max_num_batched_tokens"] == max(8192, MAX_MODEL_LEN)  # speculators' own default
     whole, sharded = _load(out), _load(shards.outs["sharded"])
     assert sorted(sharded) == sorted(whole)
     for idx, sample in whole.items():
@@ -372,6 +379,7 @@ def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(
         ({"--input": "/nonexistent/data.jsonl"}, "error: --input /nonexistent/data.jsonl: No such file or directory"),
         ({"--model": "/nonexistent/model"}, "error: --model /nonexistent/model: cannot read its config"),
         ({"--batch-size": "0"}, "error: --batch-size must be >= 1, got 0"),
+        ({"--max-num-batched-tokens": "0"}, "error: --max-num-batched-tokens must be >= 1, got 0"),
         ({"--writer": "process", "--replicas": "2"}, "error: --writer process is for one process"),
     ],
 )

@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     extract.add_argument("--batch-tokens", type=int, default=32768, help="at most this many tokens per call")
     extract.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step (vLLM's max_num_batched_tokens; speculators 0.4.x). Default: speculators' "
+        "own, max(8192, --max-model-len)",
+    )
+    extract.add_argument(
         "--writer-threads", type=int, default=None, help="threads writing files (default: half the cores, <= 8)"
     )
     extract.add_argument(
@@ -152,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             shard = parse_shard(args.shard)
         except ValueError as exc:
             extract.error(str(exc))
-        positive = ("batch_size", "batch_tokens", "writer_threads", "pending_batches", "tp", "max_model_len")
+        positive = (
+            "batch_size", "batch_tokens", "writer_threads", "pending_batches", "tp", "max_model_len",
+            "max_num_batched_tokens",
+        )  # fmt: skip
         for name in (*positive, "replicas"):
             value = getattr(args, name)
             if value is not None and value < 1:
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         same_name = (
             "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",
             "text_field", "ids_field", "on_error", "dtype", "save_dtype", "gpu_memory_utilization", "zip_crc32",
-            "conversations", "seed", "format",
+            "conversations", "seed", "format", "max_num_batched_tokens",
         )  # fmt: skip
         config = ExtractConfig(
             **{name: getattr(args, name) for name in same_name},

@@ -96,3 +96,24 @@ def test_errors_that_leave_no_engine_are_not_retried(error: Exception) -> None:
     with pytest.raises(type(error)):
         extract.generate_isolating(generate, [_sample(i, 5) for i in range(4)])
     assert calls == [4]
+
+
+class _GeneratorWithStepBudget:  # speculators 0.4.x's constructor
+    def __init__(self, model_path: str, max_num_batched_tokens: int | None = None) -> None: ...
+
+
+class _GeneratorWithoutStepBudget:  # speculators 0.3.0's
+    def __init__(self, model_path: str, tensor_parallel_size: int = 1) -> None: ...
+
+
+def test_the_step_budget_goes_to_a_generator_that_takes_it_and_is_refused_by_one_that_does_not(
+    tmp_path: Path,
+) -> None:
+    from spec_compat.extract.config import generator_options
+
+    assert generator_options(_config(tmp_path / "d.jsonl"), _GeneratorWithoutStepBudget) == {}  # not asked: nothing
+    asked = _config(tmp_path / "d.jsonl", max_num_batched_tokens=16384)
+    assert generator_options(asked, _GeneratorWithStepBudget) == {"max_num_batched_tokens": 16384}
+    with pytest.raises(extract.ExtractError, match="takes no max_num_batched_tokens") as refused:
+        generator_options(asked, _GeneratorWithoutStepBudget)
+    assert "\n" not in str(refused.value)

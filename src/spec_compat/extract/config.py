@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,12 +65,36 @@ class ExtractConfig:
     save_dtype: str = "bfloat16"  # or fp8: float8_e4m3fn with per-token scales (fp8.py)
     format: str = "speculators-v1"  # the output layout (formats/)
     gpu_memory_utilization: float = 0.8
+    # tokens the engine runs per scheduler step (vLLM's max_num_batched_tokens); None: speculators' own,
+    # max(8192, max_model_len). A --batch-tokens call of 32k tokens is then 4 steps, each with its own
+    # scheduling, RPCs and forward launch (generator_options)
+    max_num_batched_tokens: int | None = None
     zip_crc32: bool = False  # torch.save's per-record zip CRC32 (see disable_zip_crc32)
     fsync: bool = True  # each file reaches the disk before the manifest lists it
     direct_io: bool = False  # stage each file in /dev/shm and write it with O_DIRECT (see direct_io_staging)
     conversations: bool = False  # chat data through speculators' own preprocessing (conversations.py)
     seed: int = 0  # speculators' preprocessing shuffle seed (conversations only)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def generator_options(config: ExtractConfig, generator_class: Any) -> dict[str, Any]:
+    """The keyword arguments beyond speculators' required ones that ``config`` asks of the generator;
+    an option the installed generator does not take is refused here, before the engine loads."""
+    if config.max_num_batched_tokens is None:
+        return {}
+    if "max_num_batched_tokens" not in inspect.signature(generator_class.__init__).parameters:
+        raise ExtractError(
+            "--max-num-batched-tokens: the installed speculators' VllmHiddenStatesGenerator takes no "
+            "max_num_batched_tokens (speculators 0.4.x does)"
+        )
+    return {"max_num_batched_tokens": config.max_num_batched_tokens}
+
+
+def engine_step_tokens(generator: Any) -> int | None:
+    """The tokens its engine runs per scheduler step (max_num_batched_tokens), where it says."""
+    scheduler_config = getattr(getattr(generator, "vllm_config", None), "scheduler_config", None)
+    value = getattr(scheduler_config, "max_num_batched_tokens", None)
+    return int(value) if value else None
 
 
 def default_writer_threads() -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import formats
 from .batching import generate_isolating, sample_payloads
-from .config import ExtractConfig, Sample, WriteFailed
+from .config import ExtractConfig, Sample, WriteFailed, engine_step_tokens, generator_options
 from .files import Saved, direct_io_staging, disable_zip_crc32
 from .writer_process import write_in_format
 
@@ -68,6 +68,7 @@ class Replica:
                 max_model_len=config.max_model_len,
                 tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=config.gpu_memory_utilization,
+                **generator_options(config, VllmHiddenStatesGenerator),
             )
         except Exception as exc:  # noqa: BLE001 - reported by info(), the driver decides
             self.start_error = _one_line(exc)
@@ -85,6 +86,7 @@ class Replica:
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "cpu_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             "max_num_seqs": int(max_seqs or 0),
+            "max_num_batched_tokens": engine_step_tokens(self.generator),
             "engine_start_s": self.engine_start_s,
             "environment": self.report.env.as_dict() if self.report is not None else {},
             "applied": list(self.report.applied) if self.report is not None else [],

@@ -10,7 +10,7 @@ from typing import Any
 
 from . import formats
 from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches, taper_divisor
-from .config import STATS, ExtractConfig, ExtractError, WriteFailed
+from .config import STATS, ExtractConfig, ExtractError, WriteFailed, engine_step_tokens, generator_options
 from .dataset import checked_samples
 from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
 from .manifest import _provenance, open_manifest
@@ -34,6 +34,7 @@ def run(config: ExtractConfig) -> int:
 
     from speculators.data_generation import VllmHiddenStatesGenerator
 
+    options = generator_options(config, VllmHiddenStatesGenerator)  # refused before the output is touched
     manifest, todo = open_manifest(config, _provenance(config, report), todo_all, bad)
     limit = config.max_model_len - 1
     if not todo:
@@ -62,10 +63,12 @@ def run(config: ExtractConfig) -> int:
                 max_model_len=config.max_model_len,
                 tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=config.gpu_memory_utilization,
+                **options,
             )
         except (ValueError, TypeError) as exc:  # refused at construction (layer ids), before weights load
             raise ExtractError(str(exc).splitlines()[0]) from None
         engine_start_s = time.perf_counter() - started
+        step_tokens = engine_step_tokens(generator)
         # where the states of a reply lie in shared memory (executor-shared-memory-replies), for the process
         writer.locate = getattr(getattr(generator.executor, "transfer_mappings", None), "locate", None)
         save_dtype = formats.state_dtype(config)
@@ -178,6 +181,7 @@ def run(config: ExtractConfig) -> int:
         "writer_threads": config.writer_threads,
         "writer_nice": writer.nice,
         "pending_batches": config.pending_batches,
+        "max_num_batched_tokens": step_tokens,  # the engine's tokens per scheduler step
         "writer_room": "bytes" if writer.by_bytes else "batches",  # SPEC_COMPAT_WRITER_BYTE_WINDOW
         "tail_batches": tail,
         "taper_divisor": divisor if tail else None,
