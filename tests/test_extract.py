@@ -146,13 +146,14 @@ HS_RUNS = Extract(
     read_back=True,
     rerun=True,
 )
-# the writer threads (--writer threads) instead of the default writer process, and twice speculators' default
-# tokens per engine step (--max-num-batched-tokens)
+# the writer threads (--writer threads) instead of the default writer process, twice speculators' default tokens
+# per engine step (--max-num-batched-tokens) and other running slots than its 32 (--max-num-seqs)
+ENGINE_LIMITS = ("--max-num-batched-tokens", "16384", "--max-num-seqs", "48")
 SHARDS = Extract(
     "shards",
     24,
     tuple(
-        ("sharded", ("--shard", shard, "--batch-size", "4", "--writer", "threads", "--max-num-batched-tokens", "16384"))
+        ("sharded", ("--shard", shard, "--batch-size", "4", "--writer", "threads", *ENGINE_LIMITS))
         for shard in ("0/2", "1/2")
     ),
 )
@@ -234,9 +235,10 @@ def test_two_shards_equal_one_run(full_run: tuple[Path, Path], engine_cells: Cel
     assert len(shards.procs) == 2
     stats = json.loads((shards.outs["sharded"] / "extract_stats.json").read_text())  # the second shard's
     assert stats["writer"] == "threads" and stats["written_by_process"] == 0, stats
-    assert stats["max_num_batched_tokens"] == 16384, stats  # the engine took the step budget asked for
+    # the engine took the step budget and running slots asked for; without them, speculators' own
+    assert (stats["max_num_batched_tokens"], stats["max_num_seqs"]) == (16384, 48), stats
     whole_stats = json.loads((out / "extract_stats.json").read_text())
-    assert whole_stats["max_num_batched_tokens"] == max(8192, MAX_MODEL_LEN)  # speculators' own default
+    assert (whole_stats["max_num_batched_tokens"], whole_stats["max_num_seqs"]) == (max(8192, MAX_MODEL_LEN), 32)
     whole, sharded = _load(out), _load(shards.outs["sharded"])
     assert sorted(sharded) == sorted(whole)
     for idx, sample in whole.items():
@@ -380,6 +382,7 @@ def test_skip_lists_bad_lines_in_the_manifest_and_extracts_every_good_sample(
         ({"--model": "/nonexistent/model"}, "error: --model /nonexistent/model: cannot read its config"),
         ({"--batch-size": "0"}, "error: --batch-size must be >= 1, got 0"),
         ({"--max-num-batched-tokens": "0"}, "error: --max-num-batched-tokens must be >= 1, got 0"),
+        ({"--max-num-seqs": "0"}, "error: --max-num-seqs must be >= 1, got 0"),
         ({"--writer": "process", "--replicas": "2"}, "error: --writer process is for one process"),
     ],
 )

@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         "own, max(8192, --max-model-len)",
     )
     extract.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the engine's running slots (vLLM's max_num_seqs), hence the most samples in one call. Default: "
+        "speculators' own, 32",
+    )
+    extract.add_argument(
         "--writer-threads", type=int, default=None, help="threads writing files (default: half the cores, <= 8)"
     )
     extract.add_argument(
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             extract.error(str(exc))
         positive = (
             "batch_size", "batch_tokens", "writer_threads", "pending_batches", "tp", "max_model_len",
-            "max_num_batched_tokens",
+            "max_num_batched_tokens", "max_num_seqs",
         )  # fmt: skip
         for name in (*positive, "replicas"):
             value = getattr(args, name)
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         same_name = (
             "model", "input", "output", "max_model_len", "batch_size", "batch_tokens", "pending_batches",
             "text_field", "ids_field", "on_error", "dtype", "save_dtype", "gpu_memory_utilization", "zip_crc32",
-            "conversations", "seed", "format", "max_num_batched_tokens",
+            "conversations", "seed", "format", "max_num_batched_tokens", "max_num_seqs",
         )  # fmt: skip
         config = ExtractConfig(
             **{name: getattr(args, name) for name in same_name},

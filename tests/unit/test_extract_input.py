@@ -117,3 +117,35 @@ def test_the_step_budget_goes_to_a_generator_that_takes_it_and_is_refused_by_one
     with pytest.raises(extract.ExtractError, match="takes no max_num_batched_tokens") as refused:
         generator_options(asked, _GeneratorWithoutStepBudget)
     assert "\n" not in str(refused.value)
+
+
+def test_running_slots_are_set_only_while_the_generator_is_made_and_refused_where_speculators_has_no_constant(
+    tmp_path: Path,
+) -> None:
+    import types
+
+    from spec_compat.extract.config import check_generator_constants, generator_constants
+
+    class Generator:  # speculators' shape: _create_vllm_config reads the module constant
+        def _create_vllm_config(self) -> int:
+            return MAX_NUM_SEQS  # type: ignore[name-defined]  # noqa: F821 - read from the fake module below
+
+    module = types.SimpleNamespace(MAX_NUM_SEQS=32, VllmHiddenStatesGenerator=Generator)
+    asked = _config(tmp_path / "d.jsonl", max_num_seqs=64)
+    with generator_constants(asked, module):
+        assert module.MAX_NUM_SEQS == 64
+    assert module.MAX_NUM_SEQS == 32  # restored once the generator is made
+    with pytest.raises(RuntimeError), generator_constants(asked, module):
+        raise RuntimeError("the engine failed to start")
+    assert module.MAX_NUM_SEQS == 32  # ... and when it is not
+    with generator_constants(_config(tmp_path / "d.jsonl"), module):  # not asked: untouched
+        assert module.MAX_NUM_SEQS == 32
+
+    class Hardwired:  # a speculators that builds its engine without the constant
+        def _create_vllm_config(self) -> int:
+            return 32
+
+    for other in (types.SimpleNamespace(MAX_NUM_SEQS=32, VllmHiddenStatesGenerator=Hardwired), types.SimpleNamespace()):
+        with pytest.raises(extract.ExtractError, match="--max-num-seqs: the installed speculators") as refused:
+            check_generator_constants(asked, other)
+        assert "\n" not in str(refused.value)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,9 @@ class ExtractConfig:
     # max(8192, max_model_len). A --batch-tokens call of 32k tokens is then 4 steps, each with its own
     # scheduling, RPCs and forward launch (generator_options)
     max_num_batched_tokens: int | None = None
+    # the engine's running slots (vLLM's max_num_seqs), which speculators fixes at its module constant
+    # MAX_NUM_SEQS (32): a call of short samples holds at most that many (generator_constants)
+    max_num_seqs: int | None = None
     zip_crc32: bool = False  # torch.save's per-record zip CRC32 (see disable_zip_crc32)
     fsync: bool = True  # each file reaches the disk before the manifest lists it
     direct_io: bool = False  # stage each file in /dev/shm and write it with O_DIRECT (see direct_io_staging)
@@ -88,6 +93,39 @@ def generator_options(config: ExtractConfig, generator_class: Any) -> dict[str, 
             "max_num_batched_tokens (speculators 0.4.x does)"
         )
     return {"max_num_batched_tokens": config.max_num_batched_tokens}
+
+
+# speculators' module constants an option overrides while its generator is made (the engine keeps them)
+MAX_NUM_SEQS = "MAX_NUM_SEQS"
+
+
+def check_generator_constants(config: ExtractConfig, module: Any) -> None:
+    """Refuse, before the engine loads, an option whose constant the installed speculators does not read
+    when it builds its engine's configuration."""
+    if config.max_num_seqs is None:
+        return
+    build = getattr(getattr(module, "VllmHiddenStatesGenerator", None), "_create_vllm_config", None)
+    reads = MAX_NUM_SEQS in getattr(getattr(build, "__code__", None), "co_names", ())
+    if not isinstance(getattr(module, MAX_NUM_SEQS, None), int) or not reads:
+        raise ExtractError(
+            "--max-num-seqs: the installed speculators does not build its engine from a MAX_NUM_SEQS constant"
+        )
+
+
+@contextlib.contextmanager
+def generator_constants(config: ExtractConfig, module: Any) -> Iterator[None]:
+    """While one generator is made: speculators' MAX_NUM_SEQS as ``--max-num-seqs`` asks (checked by
+    ``check_generator_constants``), restored right after; nothing else in the process reads it then."""
+    if config.max_num_seqs is None:
+        yield
+        return
+    check_generator_constants(config, module)
+    before = getattr(module, MAX_NUM_SEQS)
+    setattr(module, MAX_NUM_SEQS, config.max_num_seqs)
+    try:
+        yield
+    finally:
+        setattr(module, MAX_NUM_SEQS, before)
 
 
 def engine_step_tokens(generator: Any) -> int | None:

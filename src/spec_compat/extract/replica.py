@@ -15,7 +15,14 @@ from typing import Any
 
 from . import formats
 from .batching import generate_isolating, sample_payloads
-from .config import ExtractConfig, Sample, WriteFailed, engine_step_tokens, generator_options
+from .config import (
+    ExtractConfig,
+    Sample,
+    WriteFailed,
+    engine_step_tokens,
+    generator_constants,
+    generator_options,
+)
 from .files import Saved, direct_io_staging, disable_zip_crc32
 from .writer_process import write_in_format
 
@@ -62,14 +69,15 @@ class Replica:
             self.save_dtype = formats.state_dtype(config)
             if not config.zip_crc32:
                 disable_zip_crc32()
-            self.generator = VllmHiddenStatesGenerator(
-                config.model,
-                layer_ids=config.layer_ids,
-                max_model_len=config.max_model_len,
-                tensor_parallel_size=config.tensor_parallel_size,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                **generator_options(config, VllmHiddenStatesGenerator),
-            )
+            with generator_constants(config, sys.modules[VllmHiddenStatesGenerator.__module__]):
+                self.generator = VllmHiddenStatesGenerator(
+                    config.model,
+                    layer_ids=config.layer_ids,
+                    max_model_len=config.max_model_len,
+                    tensor_parallel_size=config.tensor_parallel_size,
+                    gpu_memory_utilization=config.gpu_memory_utilization,
+                    **generator_options(config, VllmHiddenStatesGenerator),
+                )
         except Exception as exc:  # noqa: BLE001 - reported by info(), the driver decides
             self.start_error = _one_line(exc)
             sys.stderr.write(traceback.format_exc())

@@ -10,7 +10,16 @@ from typing import Any
 
 from . import formats
 from .batching import Progress, generate_isolating, plan_batches, sample_payloads, tail_batches, taper_divisor
-from .config import STATS, ExtractConfig, ExtractError, WriteFailed, engine_step_tokens, generator_options
+from .config import (
+    STATS,
+    ExtractConfig,
+    ExtractError,
+    WriteFailed,
+    check_generator_constants,
+    engine_step_tokens,
+    generator_constants,
+    generator_options,
+)
 from .dataset import checked_samples
 from .files import _write_json_atomic, direct_io_staging, disable_zip_crc32
 from .manifest import _provenance, open_manifest
@@ -34,7 +43,10 @@ def run(config: ExtractConfig) -> int:
 
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    options = generator_options(config, VllmHiddenStatesGenerator)  # refused before the output is touched
+    # options the installed generator cannot take are refused before the output is touched
+    options = generator_options(config, VllmHiddenStatesGenerator)
+    speculators_module = sys.modules[VllmHiddenStatesGenerator.__module__]
+    check_generator_constants(config, speculators_module)
     manifest, todo = open_manifest(config, _provenance(config, report), todo_all, bad)
     limit = config.max_model_len - 1
     if not todo:
@@ -57,14 +69,15 @@ def run(config: ExtractConfig) -> int:
         )
         started = time.perf_counter()
         try:
-            generator = VllmHiddenStatesGenerator(
-                config.model,
-                layer_ids=config.layer_ids,
-                max_model_len=config.max_model_len,
-                tensor_parallel_size=config.tensor_parallel_size,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                **options,
-            )
+            with generator_constants(config, speculators_module):
+                generator = VllmHiddenStatesGenerator(
+                    config.model,
+                    layer_ids=config.layer_ids,
+                    max_model_len=config.max_model_len,
+                    tensor_parallel_size=config.tensor_parallel_size,
+                    gpu_memory_utilization=config.gpu_memory_utilization,
+                    **options,
+                )
         except (ValueError, TypeError) as exc:  # refused at construction (layer ids), before weights load
             raise ExtractError(str(exc).splitlines()[0]) from None
         engine_start_s = time.perf_counter() - started
@@ -182,6 +195,7 @@ def run(config: ExtractConfig) -> int:
         "writer_nice": writer.nice,
         "pending_batches": config.pending_batches,
         "max_num_batched_tokens": step_tokens,  # the engine's tokens per scheduler step
+        "max_num_seqs": slots,  # the engine's running slots (--max-num-seqs; speculators' own 32)
         "writer_room": "bytes" if writer.by_bytes else "batches",  # SPEC_COMPAT_WRITER_BYTE_WINDOW
         "tail_batches": tail,
         "taper_divisor": divisor if tail else None,
