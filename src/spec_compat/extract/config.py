@@ -95,8 +95,8 @@ def generator_options(config: ExtractConfig, generator_class: Any) -> dict[str, 
     return {"max_num_batched_tokens": config.max_num_batched_tokens}
 
 
-# speculators' module constants an option overrides while its generator is made (the engine keeps them)
-MAX_NUM_SEQS = "MAX_NUM_SEQS"
+# the speculators module constant --max-num-seqs overrides while a generator is made (the engine keeps it)
+SLOTS_CONSTANT = "MAX_NUM_SEQS"
 
 
 def check_generator_constants(config: ExtractConfig, module: Any) -> None:
@@ -105,8 +105,8 @@ def check_generator_constants(config: ExtractConfig, module: Any) -> None:
     if config.max_num_seqs is None:
         return
     build = getattr(getattr(module, "VllmHiddenStatesGenerator", None), "_create_vllm_config", None)
-    reads = MAX_NUM_SEQS in getattr(getattr(build, "__code__", None), "co_names", ())
-    if not isinstance(getattr(module, MAX_NUM_SEQS, None), int) or not reads:
+    reads = SLOTS_CONSTANT in getattr(getattr(build, "__code__", None), "co_names", ())
+    if not isinstance(getattr(module, SLOTS_CONSTANT, None), int) or not reads:
         raise ExtractError(
             "--max-num-seqs: the installed speculators does not build its engine from a MAX_NUM_SEQS constant"
         )
@@ -120,12 +120,12 @@ def generator_constants(config: ExtractConfig, module: Any) -> Iterator[None]:
         yield
         return
     check_generator_constants(config, module)
-    before = getattr(module, MAX_NUM_SEQS)
-    setattr(module, MAX_NUM_SEQS, config.max_num_seqs)
+    before = getattr(module, SLOTS_CONSTANT)
+    setattr(module, SLOTS_CONSTANT, config.max_num_seqs)
     try:
         yield
     finally:
-        setattr(module, MAX_NUM_SEQS, before)
+        setattr(module, SLOTS_CONSTANT, before)
 
 
 def engine_step_tokens(generator: Any) -> int | None:
