@@ -743,7 +743,7 @@ def phases_text(stats: dict[str, Any]) -> str:
 
 def second_batch_text(stats: dict[str, Any]) -> str:
     """The second batch's largest rpc: / transfer: seconds (extract_stats.json's ``batch_timings``, from
-    2816299): run Y's second batches took about twice a middle one, cause not yet measured."""
+    2816299): run Z found its forward slowed by the segment made beside it in the background."""
     per_batch = stats.get("batch_timings") or []
     if len(per_batch) < 2:
         return ""

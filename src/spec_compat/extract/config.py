@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +84,10 @@ class ExtractConfig:
 
 
 def generator_options(config: ExtractConfig, generator_class: Any) -> dict[str, Any]:
-    """The keyword arguments beyond speculators' required ones that ``config`` asks of the generator;
-    an option the installed generator does not take is refused here, before the engine loads."""
+    """The keyword arguments beyond speculators' required ones that ``config`` asks of the generator.
+    Every engine option the installed speculators cannot take (as a keyword, or as the module constant
+    ``generator_constants`` sets) is refused here, before the engine loads."""
+    check_generator_constants(config, sys.modules[generator_class.__module__])
     if config.max_num_batched_tokens is None:
         return {}
     if "max_num_batched_tokens" not in inspect.signature(generator_class.__init__).parameters:
@@ -114,12 +117,12 @@ def check_generator_constants(config: ExtractConfig, module: Any) -> None:
 
 @contextlib.contextmanager
 def generator_constants(config: ExtractConfig, module: Any) -> Iterator[None]:
-    """While one generator is made: speculators' MAX_NUM_SEQS as ``--max-num-seqs`` asks (checked by
-    ``check_generator_constants``), restored right after; nothing else in the process reads it then."""
+    """While one generator is made: speculators' MAX_NUM_SEQS as ``--max-num-seqs`` asks (``generator_options``
+    has checked that the module builds its engine from it), restored right after; nothing else in the process
+    reads it then."""
     if config.max_num_seqs is None:
         yield
         return
-    check_generator_constants(config, module)
     before = getattr(module, SLOTS_CONSTANT)
     setattr(module, SLOTS_CONSTANT, config.max_num_seqs)
     try:

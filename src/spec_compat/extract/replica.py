@@ -69,6 +69,7 @@ class Replica:
             self.save_dtype = formats.state_dtype(config)
             if not config.zip_crc32:
                 disable_zip_crc32()
+            options = generator_options(config, VllmHiddenStatesGenerator)  # refused before the engine loads
             with generator_constants(config, sys.modules[VllmHiddenStatesGenerator.__module__]):
                 self.generator = VllmHiddenStatesGenerator(
                     config.model,
@@ -76,7 +77,7 @@ class Replica:
                     max_model_len=config.max_model_len,
                     tensor_parallel_size=config.tensor_parallel_size,
                     gpu_memory_utilization=config.gpu_memory_utilization,
-                    **generator_options(config, VllmHiddenStatesGenerator),
+                    **options,
                 )
         except Exception as exc:  # noqa: BLE001 - reported by info(), the driver decides
             self.start_error = _one_line(exc)

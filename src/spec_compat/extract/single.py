@@ -15,7 +15,6 @@ from .config import (
     ExtractConfig,
     ExtractError,
     WriteFailed,
-    check_generator_constants,
     engine_step_tokens,
     generator_constants,
     generator_options,
@@ -46,7 +45,6 @@ def run(config: ExtractConfig) -> int:
     # options the installed generator cannot take are refused before the output is touched
     options = generator_options(config, VllmHiddenStatesGenerator)
     speculators_module = sys.modules[VllmHiddenStatesGenerator.__module__]
-    check_generator_constants(config, speculators_module)
     manifest, todo = open_manifest(config, _provenance(config, report), todo_all, bad)
     limit = config.max_model_len - 1
     if not todo:
