@@ -1,5 +1,6 @@
-"""The data path's speed-ups on a real engine: the shared-memory transfer, the handover of its bytes to
-speculators' clones and requests without prefix-cache hashes (block-hashes-off) give the same tensors,
+"""The data path's speed-ups on a real engine: the shared-memory transfer (written step by step where
+speculators 0.4.x allows: captured-states-streamed), the handover of its bytes to speculators' clones and
+requests without prefix-cache hashes (block-hashes-off) give the same tensors,
 bit for bit, as vLLM's own RPC path with copying clones and hashed requests (the adapters disabled),
 for both speculators reply shapes, TP=1 and TP=2."""
 
@@ -14,6 +15,7 @@ from engine_harness import Cell, CellPool
 pytestmark = pytest.mark.engine
 SPEED_UPS = (
     "captured-states-shared-memory",
+    "captured-states-streamed",
     "executor-shared-memory-replies",
     "driver-states-handover",
     "block-hashes-off",
@@ -39,6 +41,15 @@ def test_transfer_is_bitwise_equal_to_vllm_rpc(cell: Cell, without: Cell, engine
     assert pickled is not None, output
     assert pickled["transfer"]["directory"] is None and pickled["transfer"]["states_replies"]["verified"] == 0
     assert shared["transfer"]["states_replies"]["verified"] > 0
+    # speculators 0.4.x's replies after the engine's first are written step by step (captured-states-streamed),
+    # the chunked-prefill ones included; 0.3.0's worker keeps no per-step request metadata
+    assert pickled["transfer"]["states_replies"]["streamed"] == 0
+    if cell.speculators.startswith("0.4"):
+        after = shared["streamed_after"]
+        assert after["repeats"] >= 3  # every call after the first (its size unknown until it ends)
+        assert after["chunk_prompts"] > after.get("big_batch", after["repeats"])  # prompts split across steps
+    else:
+        assert shared["transfer"]["states_replies"]["streamed"] == 0
     assert pickled["transfer"]["segments_handed_over"] == 0
     assert shared["transfer"]["segments_handed_over"] >= 1  # speculators' clones kept the shared bytes
     assert shared["results_own_storage"] and pickled["results_own_storage"]

@@ -100,12 +100,16 @@ def run_one(spec: dict[str, Any], record: dict[str, Any]) -> None:
             generator.generate(spec["prompts"])
         after = sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []
         record["segments_reused"] = {"before": before, "after": after}
+        replies = getattr(generator.executor, "states_replies", {})
+        # replies written step by step (captured-states-streamed) after each part of this cell
+        record["streamed_after"] = {"repeats": replies.get("streamed", 0)}
         if spec.get("big_batch"):
             # More prompts in one call than vLLM's max_num_seqs (32): every one scheduled, in order.
             results = generator.generate(spec["big_batch"])
             ids = [r["input_ids"].tolist() for r in results]
             record["big_batch"] = {"input_ids": ids, "results": _tensors(results)}
             del results
+            record["streamed_after"]["big_batch"] = replies.get("streamed", 0)
         if spec.get("chunk_budget"):
             # A small per-step token budget forces chunked prefill (what max_num_batched_tokens sets).
             generator.scheduler.max_num_scheduled_tokens = spec["chunk_budget"]
@@ -116,6 +120,7 @@ def run_one(spec: dict[str, Any], record: dict[str, Any]) -> None:
                         record[name] = _tensors(generator.generate(spec[name]))
                     except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
                         record[name] = f"{type(exc).__name__}: {exc}"
+                    record["streamed_after"][name] = replies.get("streamed", 0)
         if spec.get("fault"):
             # An exception inside a worker RPC (speculators' own worker code raising TypeError).
             try:

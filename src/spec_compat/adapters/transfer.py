@@ -88,6 +88,7 @@ class SharedStates:
     non_finite: tuple[tuple[int, int], ...]
     live_segments: tuple[str, ...]
     timings: tuple[tuple[str, float], ...]
+    streamed: bool = False  # written step by step during the forwards (adapter captured-states-streamed)
 
 
 @dataclass(frozen=True)
@@ -417,6 +418,20 @@ class SegmentPool:
         for segment in self.segments:
             segment.close()
         self.segments.clear()
+
+
+def worker_pool(owner: Any, rank: int | None) -> SegmentPool | None:
+    """The segment pool of one worker (kept on ``owner``, speculators' worker extension), or None when
+    the driver did not start a transfer (no spec_compat executor, or its transfer is off)."""
+    directory = os.environ.get(TRANSFER_DIR_ENV)
+    if not directory:
+        return None
+    pool: SegmentPool | None = owner.__dict__.get("_spec_compat_segments")
+    if pool is None or pool.directory != directory:
+        prefetch = os.environ.get(PREFETCH_ENV, "1") != "0"
+        pool = SegmentPool(directory, f"rank{rank}-pid{os.getpid()}", prefetch=prefetch)
+        owner._spec_compat_segments = pool
+    return pool
 
 
 def _finite_probe(flat: Any) -> Any:

@@ -53,6 +53,7 @@ def run(config: ExtractConfig) -> int:
     restore_signals = _install_signal_handlers()
     generator: Any = None
     transfer_mappings: Any = None  # the executor's shared-memory mappings (executor-shared-memory-replies)
+    states_replies: dict[str, int] = {}  # the executor's counts of its states replies
     writer: BackgroundWriter | None = None
     process: WriterProcess | None = None  # --writer process
     failures = 0
@@ -159,12 +160,13 @@ def run(config: ExtractConfig) -> int:
         finally:
             if generator is not None:
                 transfer_mappings = getattr(generator.executor, "transfer_mappings", None)
+                states_replies = dict(getattr(generator.executor, "states_replies", {}))
                 generator.executor.shutdown()
             del generator  # let speculators' __del__ run now, not at interpreter teardown
             restore_signals()
     tokens = sum(lengths)
     stats = {
-        "transfer": transfer_counts(transfer_mappings),
+        "transfer": transfer_counts(transfer_mappings, states_replies),
         "samples": writer.written_samples,
         "tokens": tokens,
         "format": config.format,
@@ -223,14 +225,15 @@ def start_writer_process(config: ExtractConfig, fmt: Any, staging: Any, zip_crc3
         return None
 
 
-def transfer_counts(mappings: Any) -> dict[str, int] | None:
-    """How the run's captured states came to the driver: segments the worker made, replies whose
-    clones kept their segment (driver-states-handover) and those copied instead; None without the
-    shared-memory transfer."""
+def transfer_counts(mappings: Any, states_replies: dict[str, int]) -> dict[str, int] | None:
+    """How the run's captured states came to the driver: segments the worker made, replies written
+    step by step (captured-states-streamed), replies whose clones kept their segment
+    (driver-states-handover) and those copied instead; None without the shared-memory transfer."""
     if mappings is None:
         return None
     return {
         "segments_made": len(getattr(mappings, "segments_seen", ())),
+        "replies_streamed": states_replies.get("streamed", 0),
         "replies_handed_over": getattr(mappings, "held_count", 0),
         "copied_limit": getattr(mappings, "refused", 0),
     }

@@ -4,7 +4,6 @@ half of executor-shared-memory-replies)."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 from ...options import Context
@@ -29,14 +28,9 @@ def apply_shared_memory_states(ctx: Context, patcher: AdapterPatcher) -> None:
     @functools.wraps(original)
     def _get_captured_states(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        directory = os.environ.get(transfer.TRANSFER_DIR_ENV)
-        if result is None or not directory:
+        pool = transfer.worker_pool(self, tp_rank())
+        if result is None or pool is None:
             return result  # not started by spec_compat's executor (or its transfer is off): as speculators does
-        pool = self.__dict__.get("_spec_compat_segments")
-        if pool is None or pool.directory != directory:
-            prefetch = os.environ.get(transfer.PREFETCH_ENV, "1") != "0"
-            pool = transfer.SegmentPool(directory, f"rank{tp_rank()}-pid{os.getpid()}", prefetch=prefetch)
-            self._spec_compat_segments = pool
         return transfer.pack(result, pool)
 
     patcher.replace(extension_cls, "_get_captured_states", _get_captured_states)

@@ -47,6 +47,7 @@ def received_states(executor: Any, result: Any, own_time: timing.OwnTime) -> Any
         timing.add_all(result.timings)
         executor.states_replies["verified" if result.all_finite else "unverified"] += 1
         if isinstance(result, transfer.SharedStates):
+            executor.states_replies["streamed"] += int(result.streamed)
             with own_time.excluded(), timing.timed("transfer:driver-map"):
                 return executor.transfer_mappings.open(result, executor.clone_sources)
         if executor.transfer_fallback_reason is None:
@@ -117,8 +118,9 @@ def make_executor_class(base: type) -> type:
         def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
             hooks = self.hooks = type(self).hooks  # fixed for this executor's life
             self.step_log: list[list[tuple[str, int]]] = []
-            # Replies of speculators' RPCs that carried tensors: checked finite on the worker or not.
-            self.states_replies = {"verified": 0, "unverified": 0}
+            # Replies of speculators' RPCs that carried tensors: checked finite on the worker or not (and of
+            # the shared-memory ones, how many were written step by step: captured-states-streamed).
+            self.states_replies = {"verified": 0, "unverified": 0, "streamed": 0}
             self.transfer_fallback_reason: str | None = None
             with contextlib.ExitStack() as stack:
                 for hook in hooks.start:
