@@ -208,6 +208,8 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     transfer = stats["transfer"]
     assert transfer["replies_handed_over"] + transfer["copied_limit"] >= stats["batches"]
     assert 1 <= transfer["segments_made"] <= stats["batches"], transfer
+    # batches after the first were written to shared memory step by step (captured-states-streamed)
+    assert 1 <= transfer["replies_streamed"] < stats["batches"], transfer
     # every file's recorded sha256 (computed while writing) is the file's
     for entry in manifest["samples"].values():
         assert hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest() == entry["sha256"]

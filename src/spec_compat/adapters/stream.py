@@ -6,19 +6,23 @@ per request chunk and layer, a concatenation per request and layer; ``transfer.p
 tensors out once more and copies ~0.5 GB to the host while the GPU waits (one H100, run Z: 0.020 s of
 a 0.24 s batch of 29k tokens, 0.011 s of it the device-to-host copy).
 
-Here each step's tensors are copied into the segment the reply will be read from as soon as the
-step's forward has queued them: on a side CUDA stream, so the copy runs beside the next step's
-forward. The segment holds one region per layer: that layer's rows of every step in step order, which
-is speculators' own per-layer concatenation. After the last step, speculators' request metadata
-(walked as its ``_get_captured_states`` walks it) says whose rows are where; where every request's
-rows are one run of consecutive rows (vLLM continues a chunked prompt at the start of the next step),
-a request's tensor for a layer is a slice of that layer's region, described by a ``TensorRef``.
+Here each step's rows are copied into the segment the reply will be read from as soon as the step's
+forward has queued them: on a side CUDA stream, so the copies run beside the next step's forward. The
+segment holds one region per layer; in each, every request has a run of rows as long as its prompt,
+reserved when the request first appears (the worker's model runner knows the prompt's length). The
+step's request metadata, which speculators has just stored (request id, rows, in the order of the
+step's rows), says which rows of the step go where; each request's rows then lie in the segment as
+speculators' reply would hold them (its chunks concatenated), so after the last step a request's
+tensor for a layer is a slice of that layer's region, described by a ``TensorRef``. The reply is
+described only if speculators' metadata, read again after the last step, is the one the rows were
+placed by.
 
 Anything else leaves the reply to speculators' own code and ``pack`` (speculators keeps the device
-tensors either way): a request whose rows are not consecutive, rows no request owns, more rows than
-the segment has room for, tensors of another shape than the first step's, the first reply of an
-engine (its size is not known yet: a segment has room for the largest of the recent replies and an
-eighth, as ``SegmentPool`` sizes new ones), an unpinned segment on CUDA (its copy would block).
+tensors either way): a step whose rows are not exactly its metadata's, a request whose prompt length
+the worker does not know or whose rows outgrow it, more rows than the segment has room for, tensors
+of another shape than the first step's, the first reply of an engine (its size is not known yet: a
+segment has room for the largest of the recent replies and an eighth, as ``SegmentPool`` sizes new
+ones), an unpinned segment on CUDA (a copy to it would wait for the forward).
 
 The bytes are speculators' reply either way: rows are copied, never computed.
 No vLLM import here: torch only.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +62,15 @@ class _Region:
 
 
 @dataclass
+class _Run:
+    """One request's rows in every region: reserved from ``start`` for ``reserved`` rows, ``received`` so far."""
+
+    start: int
+    reserved: int
+    received: int = 0
+
+
+@dataclass
 class _Reply:
     """One reply being streamed (``segment`` None: declined, ``declined`` says why)."""
 
@@ -64,13 +78,20 @@ class _Reply:
     segment: Segment | None = None
     regions: list[_Region] = field(default_factory=list)
     capacity_rows: int = 0
+    reserved_rows: int = 0
     nbytes: int = 0
     device: Any = None
+    runs: dict[str, _Run] = field(default_factory=dict)  # in the order requests first appeared
+    metadata: list[list[tuple[str, int]]] = field(default_factory=list)  # per step, as the rows were placed
     probes: list[Any] = field(default_factory=list)  # device-side (min, max) per step and layer
     held: list[Any] = field(default_factory=list)  # the step tensors until their copies are done
     declined: str | None = None
     acquire_timings: tuple[tuple[str, float], ...] = ()
     enqueue_s: float = 0.0
+    copies: int = 0
+
+
+PromptRows = Callable[[str], "int | None"]  # a request's prompt length, as the worker knows it
 
 
 class StatesStreamer:
@@ -88,9 +109,12 @@ class StatesStreamer:
 
     # ---- while the steps run ---------------------------------------------------------------------
 
-    def step(self, tensors: list[Any], first: bool) -> None:
+    def step(
+        self, tensors: list[Any], first: bool, metadata: list[tuple[str, int]] | None, prompt_rows: PromptRows
+    ) -> None:
         """One engine step's captured states (speculators' list, one tensor per layer), just stored by
-        speculators; ``first``: the first step since its last reply or reset."""
+        speculators; ``first``: the first step since its last reply or reset; ``metadata``: the
+        (request id, rows) speculators stored for this step's rows, in their order (None: it stored none)."""
         if first or self.current is None:
             self.drop()
             self.current = self._begin(tensors)
@@ -98,10 +122,11 @@ class StatesStreamer:
         rows = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
         if reply.declined is None:
             problem = self._misfit(reply, tensors, rows)
-            if problem is None:
-                self._copy(reply, tensors, rows)
+            moves = self._place(reply, metadata, rows, prompt_rows) if problem is None else problem
+            if isinstance(moves, str):
+                self._decline(reply, moves)
             else:
-                self._decline(reply, problem)
+                self._copy(reply, tensors, moves)
         reply.rows += rows
 
     def drop(self) -> None:
@@ -159,20 +184,56 @@ class StatesStreamer:
             same = tensor.dtype == region.dtype and tuple(tensor.shape[1:]) == region.row_shape
             if not same or tensor.device != reply.device or not tensor.is_contiguous() or tensor.shape[0] != rows:
                 return "a step's tensors differ from the first step's (dtype, row shape, device or rows)"
-        if reply.rows + rows > reply.capacity_rows:
-            return f"more rows than the segment has room for ({reply.capacity_rows})"
         return None
 
-    def _copy(self, reply: _Reply, tensors: list[Any], rows: int) -> None:
+    @staticmethod
+    def _place(
+        reply: _Reply, metadata: list[tuple[str, int]] | None, rows: int, prompt_rows: PromptRows
+    ) -> list[tuple[int, int, int]] | str:
+        """Where this step's rows go: (first row in the step, first row in the regions, rows), rows that
+        continue each other merged; a run reserved for each request new in this step. Or why they cannot
+        be placed."""
+        if metadata is None:
+            return "no request metadata for a step"
+        counts = [(req_id, int(count)) for req_id, count in metadata]
+        if any(count < 0 for _, count in counts) or sum(count for _, count in counts) != rows:
+            return f"a step's metadata names {sum(count for _, count in counts)} rows, the step has {rows}"
+        moves: list[tuple[int, int, int]] = []
+        source = 0
+        for req_id, count in counts:
+            run = reply.runs.get(req_id)
+            if run is None:
+                reserved = prompt_rows(req_id)
+                if reserved is None:
+                    return f"the worker does not know request {req_id!r}'s prompt length"
+                if reply.reserved_rows + reserved > reply.capacity_rows:
+                    return f"more rows than the segment has room for ({reply.capacity_rows})"
+                run = reply.runs[req_id] = _Run(reply.reserved_rows, reserved)
+                reply.reserved_rows += reserved
+            if run.received + count > run.reserved:
+                return f"request {req_id!r} has more rows than its prompt ({run.reserved})"
+            target = run.start + run.received
+            if moves and moves[-1][0] + moves[-1][2] == source and moves[-1][1] + moves[-1][2] == target:
+                moves[-1] = (moves[-1][0], moves[-1][1], moves[-1][2] + count)
+            elif count:
+                moves.append((source, target, count))
+            run.received += count
+            source += count
+        reply.metadata.append(counts)
+        return moves
+
+    def _copy(self, reply: _Reply, tensors: list[Any], moves: list[tuple[int, int, int]]) -> None:
         import torch
 
         started = time.perf_counter()
         assert reply.segment is not None
         host = reply.segment.host
-        destinations = []
-        for tensor, region in zip(tensors, reply.regions, strict=True):
-            start = region.offset + reply.rows * region.row_bytes
-            destinations.append(host[start : start + rows * region.row_bytes].view(tensor.dtype).view(tensor.shape))
+        destinations = []  # (layer, step row, rows, destination view)
+        for layer, (tensor, region) in enumerate(zip(tensors, reply.regions, strict=True)):
+            for source, target, count in moves:
+                start = region.offset + target * region.row_bytes
+                view = host[start : start + count * region.row_bytes].view(tensor.dtype).view(count, *region.row_shape)
+                destinations.append((layer, source, count, view))
             reply.probes.append(_finite_probe(tensor.reshape(-1)))  # on the forward's stream, as pack does
         if reply.device.type == "cuda":
             side = self.side_streams.get(reply.device)
@@ -180,12 +241,13 @@ class StatesStreamer:
                 side = self.side_streams[reply.device] = torch.cuda.Stream(device=reply.device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(reply.device))  # after the step's kernels made them
             with torch.cuda.stream(side):
-                for destination, tensor in zip(destinations, tensors, strict=True):
-                    destination.copy_(tensor, non_blocking=True)
+                for layer, source, count, view in destinations:
+                    view.copy_(tensors[layer][source : source + count], non_blocking=True)
             reply.held.extend(tensors)
         else:
-            for destination, tensor in zip(destinations, tensors, strict=True):
-                destination.copy_(tensor)
+            for layer, source, count, view in destinations:
+                view.copy_(tensors[layer][source : source + count])
+        reply.copies += len(destinations)
         reply.enqueue_s += time.perf_counter() - started
 
     def _decline(self, reply: _Reply, why: str) -> None:
@@ -204,7 +266,7 @@ class StatesStreamer:
 
     def finish(self, request_metadata: list[list[tuple[str, int]]]) -> SharedStates | None:
         """The reply as ``SharedStates``, or None when it is left to speculators' code (``last_declined``).
-        ``request_metadata``: speculators' per-step lists of (request id, prompt rows), in its order."""
+        ``request_metadata``: speculators' per-step lists of (request id, rows), as its reply walks them."""
         reply, self.current = self.current, None
         if reply is None:
             return None
@@ -212,19 +274,17 @@ class StatesStreamer:
         started = time.perf_counter()
         self._wait(reply)
         wait_s = time.perf_counter() - started
-        spans = None if reply.declined else _request_spans(request_metadata, reply.rows)
-        if reply.declined is None and spans is None:
-            reply.declined = "a request's rows are not one run, or rows no request owns"
-        if reply.declined is not None or reply.segment is None or spans is None:
+        walked = [[(req_id, int(count)) for req_id, count in step] for step in request_metadata]
+        if reply.declined is None and walked != reply.metadata:
+            reply.declined = "speculators' request metadata is not the one the rows were placed by"
+        if reply.declined is not None or reply.segment is None:
             self.declined += 1
             self.last_declined = reply.declined
             return None
         self.streamed += 1
-        return self._describe(reply, reply.segment, spans, wait_s)
+        return self._describe(reply, reply.segment, wait_s)
 
-    def _describe(
-        self, reply: _Reply, segment: Segment, spans: dict[str, tuple[int, int]], wait_s: float
-    ) -> SharedStates:
+    def _describe(self, reply: _Reply, segment: Segment, wait_s: float) -> SharedStates:
         import torch
 
         checked = time.perf_counter()
@@ -232,10 +292,10 @@ class StatesStreamer:
         all_finite = not present or bool(torch.isfinite(torch.cat(present).cpu()).all())
         template = {
             req_id: [
-                TensorRef(r.offset + start * r.row_bytes, _dtype_name(r.dtype), (rows, *r.row_shape))
+                TensorRef(r.offset + run.start * r.row_bytes, _dtype_name(r.dtype), (run.received, *r.row_shape))
                 for r in reply.regions
             ]
-            for req_id, (start, rows) in spans.items()
+            for req_id, run in reply.runs.items()
         }
         non_finite: tuple[tuple[int, int], ...] = ()
         if not all_finite:  # which tensors, in the reply's order (as pack reports them)
@@ -265,22 +325,3 @@ def _host_view(segment: Segment, ref: TensorRef) -> Any:
     dtype = getattr(torch, ref.dtype)
     size = math.prod(ref.shape) * dtype.itemsize
     return segment.host[ref.offset : ref.offset + size].view(dtype).view(ref.shape)
-
-
-def _request_spans(request_metadata: list[list[tuple[str, int]]], rows: int) -> dict[str, tuple[int, int]] | None:
-    """(first row, rows) of each request, in the order speculators' reply lists them, walking the
-    metadata as speculators does (each entry takes the next ``n`` rows); None unless every request's
-    rows are one run and the entries take exactly the ``rows`` captured."""
-    spans: dict[str, tuple[int, int]] = {}
-    position = 0
-    for step in request_metadata:
-        for req_id, count in step:
-            count = int(count)
-            if count < 0:
-                return None
-            start, taken = spans.get(req_id, (position, 0))
-            if count and taken and start + taken != position:
-                return None  # not consecutive: speculators concatenates pieces from several places
-            spans[req_id] = (start if taken else position, taken + count)
-            position += count
-    return spans if position == rows else None

@@ -35,6 +35,17 @@ def probe_streamed_states(ctx: Context) -> Probe:
     return Probe(True, "each step's captured states go to the reply's segment as the step ends (a side stream)")
 
 
+def prompt_rows(worker: Any, req_id: str) -> int | None:
+    """The prompt length of a request the worker's model runner holds (its CachedRequestState)."""
+    state = (getattr(getattr(worker, "model_runner", None), "requests", None) or {}).get(req_id)
+    if state is None:
+        return None
+    rows = getattr(state, "num_prompt_tokens", None)
+    if rows is None and getattr(state, "prompt_token_ids", None) is not None:
+        rows = len(state.prompt_token_ids)
+    return int(rows) if rows is not None else None
+
+
 def apply_streamed_states(ctx: Context, patcher: AdapterPatcher) -> None:
     extension_cls, store = extension_method(ctx, "_store_captured_states")
     _, get = extension_method(ctx, "_get_captured_states")
@@ -52,10 +63,13 @@ def apply_streamed_states(ctx: Context, patcher: AdapterPatcher) -> None:
     @functools.wraps(store)
     def _store_captured_states(self: Any, aux_hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         first = getattr(self, "_captured_states", None) is None
+        stored = len(getattr(self, "_request_metadata", None) or ())
         result = store(self, aux_hidden_states, *args, **kwargs)
         stream = streamer(self)
         if stream is not None:
-            stream.step(list(aux_hidden_states), first)
+            metadata = getattr(self, "_request_metadata", None) or []
+            step = list(metadata[-1]) if len(metadata) == stored + 1 else None  # what speculators stored now
+            stream.step(list(aux_hidden_states), first, step, functools.partial(prompt_rows, self))
         return result
 
     @functools.wraps(get)
@@ -90,8 +104,8 @@ CAPTURED_STATES_STREAMED = Adapter(
         "speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._reset_capture",
     ),
     how=(
-        "each step's tensors copied into the reply's segment (one region per layer, on a side CUDA stream) as "
-        "the step ends; the reply described from speculators' own request metadata, else speculators' reply"
+        "each step's rows copied, as the step ends, to their request's place in the reply's segment (one region "
+        "per layer; a side CUDA stream), placed by the metadata speculators stores per step; else speculators' reply"
     ),
     why=(
         "speculators builds its reply on the device after the last step (a concatenation per layer, a clone per "
