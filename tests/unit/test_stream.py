@@ -156,3 +156,20 @@ def test_non_finite_rows_are_counted_per_tensor_as_pack_does(directory: str) -> 
     packed = transfer.pack(speculators_reply(steps, CHUNKED), transfer.SegmentPool(directory, "ref"))
     assert isinstance(packed, transfer.SharedStates)
     assert states.non_finite == packed.non_finite == ((5, 1), (12, 1))
+
+
+def test_a_failing_step_leaves_the_reply_to_speculators(directory: str) -> None:
+    streamer = _streamer_with_history(directory, 31)
+    steps = _steps(CHUNKED, seed=9)
+
+    def broken(req_id: str) -> int | None:
+        raise RuntimeError("no model runner")
+
+    streamer.step(steps[0], True, CHUNKED[0], _prompts(CHUNKED).get)
+    with pytest.raises(RuntimeError):
+        streamer.step(steps[1], False, CHUNKED[1], broken)
+    streamer.fail(RuntimeError("no model runner"))  # what the adapter does with the error
+    for tensors, step in zip(steps[2:], CHUNKED[2:], strict=True):
+        streamer.step(tensors, False, step, _prompts(CHUNKED).get)
+    assert streamer.finish(CHUNKED) is None
+    assert streamer.last_declined is not None and "the stream failed: RuntimeError" in streamer.last_declined

@@ -129,6 +129,12 @@ class StatesStreamer:
                 self._copy(reply, tensors, moves)
         reply.rows += rows
 
+    def fail(self, exc: BaseException) -> None:
+        """A step raised inside the stream: the reply is left to speculators' code (its tensors are intact)."""
+        reply = self.current
+        if reply is not None and reply.declined is None:
+            self._decline(reply, f"the stream failed: {type(exc).__name__}: {exc}")
+
     def drop(self) -> None:
         """Forget the reply being streamed (speculators reset its capture), once its copies are done."""
         reply, self.current = self.current, None

@@ -4,6 +4,7 @@ as the step ends, beside the next forward (speculators 0.4.x; the mechanism: ada
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from ...options import Context
@@ -14,6 +15,8 @@ from ..speculators_code import extension_method, worker_module
 from ..stream import StatesStreamer
 from ..support import tp_rank
 from ..unit import SPECULATORS_0_4_ONLY, Adapter
+
+logger = logging.getLogger("spec_compat.stream")
 
 # What speculators 0.4.x's worker does that the stream relies on: _store_captured_states appends
 # each step's tensors to _captured_states and that step's sorted metadata to _request_metadata;
@@ -69,7 +72,17 @@ def apply_streamed_states(ctx: Context, patcher: AdapterPatcher) -> None:
         if stream is not None:
             metadata = getattr(self, "_request_metadata", None) or []
             step = list(metadata[-1]) if len(metadata) == stored + 1 else None  # what speculators stored now
-            stream.step(list(aux_hidden_states), first, step, functools.partial(prompt_rows, self))
+            try:
+                stream.step(list(aux_hidden_states), first, step, functools.partial(prompt_rows, self))
+            except Exception as exc:  # noqa: BLE001 - speculators' own reply is still whole: use it, say so once
+                stream.fail(exc)
+                if not self.__dict__.get("_spec_compat_stream_warned"):
+                    self._spec_compat_stream_warned = True
+                    logger.warning(
+                        "spec_compat: captured-states-streamed failed (%s: %s); speculators builds the reply",
+                        type(exc).__name__,
+                        exc,
+                    )
         return result
 
     @functools.wraps(get)
