@@ -97,8 +97,9 @@ def test_killed_worker_is_named(fault_records: dict[str, Any]) -> None:
 
 @pytest.mark.reads(FAULTS)
 def test_transfer_faults_are_loud(fault_records: dict[str, Any]) -> None:
-    """A NaN is found on the worker (before the copy) and named by request and layer; a worker
-    killed half-way through writing its shared-memory segment surfaces as a named dead worker,
+    """A NaN is found on the worker (before the copy) and named by request and layer, in a packed reply and in
+    one written step by step; a worker killed half-way through writing its shared-memory segment surfaces as a
+    named dead worker,
     and no segment outlives the executor."""
     record = fault_records["transfer"]
     nan = record["nan"]
@@ -107,7 +108,13 @@ def test_transfer_faults_are_loud(fault_records: dict[str, Any]) -> None:
     assert "(layer 0)" not in nan["text"], nan["text"]
     assert record["states_replies_after_nan"]["unverified"] == 1, record["states_replies_after_nan"]
     assert record["healthy_after"]["raised"] is None, record["healthy_after"]
-    killed = record["killed"]
+    # the same NaN in a reply written step by step (captured-states-streamed): found and named the same way
+    streamed = record["nan_streamed"]
+    assert streamed["raised"] == "ResultContractError" and "(layer 2): " in streamed["text"], streamed
+    assert "(layer 0)" not in streamed["text"], streamed["text"]
+    after = record["states_replies_after_nan_streamed"]
+    assert after["unverified"] == 2 and after["streamed"] >= 2, after  # healthy_after and this one
+    killed = record["killed"]  # while a step's rows are written to the segment
     assert killed["raised"] == "WorkerError" and killed["exc_type"] == "WorkerProcessDied", killed
     assert killed["rank"] == 0 and "killed by signal 9 (SIGKILL)" in killed["text"], killed
     assert killed["seconds"] < LIMIT_S

@@ -69,7 +69,11 @@ def test_repeated_calls_match_single_calls_and_memory_is_flat(engine_cells: Cell
     # descriptor left open per call, nothing left in /dev/shm after shutdown. The 24 single-prompt
     # results stay alive all along: they keep up to HELD_SEGMENTS segments (driver-states-handover),
     # the later ones are copies.
-    assert record["states_replies"] == {"verified": CALLS + 24, "unverified": 0}, record["states_replies"]
+    replies = record["states_replies"]
+    assert (replies["verified"], replies["unverified"]) == (CALLS + 24, 0), replies
+    # written step by step (captured-states-streamed) unless larger than the recent ones plus an eighth
+    # (a first call, batches growing): most of these calls of 1-13 prompts
+    assert CALLS * 3 // 4 <= replies["streamed"] < CALLS + 24, replies
     held = transfer.HELD_SEGMENTS
     assert record["segments_max"] <= held + 2 and record["segments_made"] <= held + 4, record
     assert record["driver_fds_end"] == record["driver_fds_after_10"], record

@@ -93,7 +93,7 @@ def restore_layer_2(worker: Any) -> None:
 
 def kill_while_writing_states_on_rank_0(worker: Any) -> None:
     if _rank(worker) == 0:
-        from spec_compat.adapters import transfer
+        from spec_compat.adapters import stream, transfer
 
         def pack(value: Any, pool: Any) -> Any:
             _, tensors = transfer.flatten(value)
@@ -101,7 +101,12 @@ def kill_while_writing_states_on_rank_0(worker: Any) -> None:
             segment.host[: segment.size // 2].fill_(7)  # half-written
             os.kill(os.getpid(), 9)
 
+        def copy(self: Any, reply: Any, tensors: Any, moves: Any) -> None:  # a step's rows (captured-states-streamed)
+            reply.segment.host[: reply.segment.size // 2].fill_(7)
+            os.kill(os.getpid(), 9)
+
         transfer.pack = pack
+        stream.StatesStreamer._copy = copy  # type: ignore[method-assign]
 
 
 def _capture(fn: Any) -> dict[str, Any]:
@@ -165,10 +170,14 @@ def run_scenario(model: str, scenario: str) -> dict[str, Any]:
     elif scenario == "transfer":
         record["transfer_directory"] = executor.transfer_directory
         executor.collective_rpc(nan_after_layer_2_on_rank_0)
-        record["nan"] = _capture(lambda: generator.generate(prompts))
+        record["nan"] = _capture(lambda: generator.generate(prompts))  # the engine's first reply: packed
         record["states_replies_after_nan"] = dict(executor.states_replies)
         executor.collective_rpc(restore_layer_2)
         record["healthy_after"] = _capture(lambda: generator.generate(prompts))
+        executor.collective_rpc(nan_after_layer_2_on_rank_0)
+        record["nan_streamed"] = _capture(lambda: generator.generate(prompts))  # a later one: streamed
+        record["states_replies_after_nan_streamed"] = dict(executor.states_replies)
+        executor.collective_rpc(restore_layer_2)
         executor.collective_rpc(kill_while_writing_states_on_rank_0)
         record["killed"] = _capture(lambda: generator.generate(prompts))
     started = time.perf_counter()
