@@ -173,3 +173,31 @@ def test_a_failing_step_leaves_the_reply_to_speculators(directory: str) -> None:
         streamer.step(tensors, False, step, _prompts(CHUNKED).get)
     assert streamer.finish(CHUNKED) is None
     assert streamer.last_declined is not None and "the stream failed: RuntimeError" in streamer.last_declined
+
+
+class _CudaRows:
+    """What _begin reads of a CUDA tensor (no GPU here): device, rows, dtype."""
+
+    device = torch.device("cuda", 0)
+    dtype = torch.bfloat16
+    shape = (4, 8)
+
+    def dim(self) -> int:
+        return 2
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def element_size(self) -> int:
+        return 2
+
+
+def test_cuda_streams_only_when_asked_until_measured(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    streamer = _streamer_with_history(directory, 4)
+    monkeypatch.delenv(stream.CUDA_ENV, raising=False)
+    declined = streamer._begin([_CudaRows()]).declined
+    assert declined == f"on CUDA only with {stream.CUDA_ENV}=1 (not measured on a GPU yet)", declined
+    monkeypatch.setenv(stream.CUDA_ENV, "1")
+    # asked: it goes on to a segment, which must be pinned for a copy that does not wait (none can be here)
+    declined = streamer._begin([_CudaRows()]).declined
+    assert declined is not None and "not pinned" in declined, declined

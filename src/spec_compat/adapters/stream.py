@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,10 @@ class _Reply:
     enqueue_s: float = 0.0
     copies: int = 0
 
+
+# Until the GPU A/B (docs/benchmarks.md, run Z's "Next"): on CUDA the stream runs only when this is "1"
+# (no GPU was lent in the session that built it); on CPU it always runs (tests/test_transfer_engine.py).
+CUDA_ENV = "SPEC_COMPAT_STREAM_ON_CUDA"
 
 PromptRows = Callable[[str], "int | None"]  # a request's prompt length, as the worker knows it
 
@@ -152,6 +157,9 @@ class StatesStreamer:
         device = tensors[0].device
         if device.type not in ("cuda", "cpu") or any(t.device != device for t in tensors):
             reply.declined = f"captured tensors on {sorted({str(t.device) for t in tensors})}"
+            return reply
+        if device.type == "cuda" and os.environ.get(CUDA_ENV) != "1":
+            reply.declined = f"on CUDA only with {CUDA_ENV}=1 (not measured on a GPU yet)"
             return reply
         largest = max(self.recent_rows)
         reply.capacity_rows = largest + largest // 8
