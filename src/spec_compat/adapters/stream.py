@@ -89,7 +89,6 @@ class _Reply:
     declined: str | None = None
     acquire_timings: tuple[tuple[str, float], ...] = ()
     enqueue_s: float = 0.0
-    copies: int = 0
 
 
 # Until the GPU A/B (docs/benchmarks.md, run Z's "Next"): on CUDA the stream runs only when this is "1"
@@ -261,7 +260,6 @@ class StatesStreamer:
         else:
             for layer, source, count, view in destinations:
                 view.copy_(tensors[layer][source : source + count])
-        reply.copies += len(destinations)
         reply.enqueue_s += time.perf_counter() - started
 
     def _decline(self, reply: _Reply, why: str) -> None:
