@@ -70,6 +70,8 @@ def schedule(lengths: list[int], budget: int, prefix: str) -> Metadata:
 
 
 def speculators_reply(steps: list[list[torch.Tensor]], metadata: Metadata) -> dict[str, list[torch.Tensor]]:
+    """speculators 0.4.x's _get_captured_states: concatenate each layer's steps, walk the metadata (one
+    clone per chunk), concatenate each request's chunks (also tests/unit/test_stream.py's reference)."""
     layers = [torch.cat([step[i] for step in steps]) for i in range(len(steps[0]))]
     chunks: defaultdict[str, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in layers])
     position = 0

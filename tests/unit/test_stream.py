@@ -6,6 +6,7 @@ stream cannot place leaves the reply to speculators."""
 from __future__ import annotations
 
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,11 @@ import torch
 
 from spec_compat.adapters import stream, transfer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+# speculators 0.4.x's _get_captured_states walk, re-done on the same tensors (one copy, the benchmark's)
+from stream_cuda import speculators_reply
+
 Metadata = list[list[tuple[str, int]]]
 
 
@@ -23,19 +29,6 @@ def directory(tmp_path: Path) -> str:
     path = tmp_path / f"{transfer.DIR_PREFIX}{os.getpid()}-test"
     path.mkdir()
     return str(path)
-
-
-def speculators_reply(steps: list[list[torch.Tensor]], metadata: Metadata) -> dict[str, list[torch.Tensor]]:
-    """speculators 0.4.x's _get_captured_states: concatenate each layer's steps, walk the metadata."""
-    layers = [torch.cat([step[i] for step in steps]) for i in range(len(steps[0]))]
-    chunks: defaultdict[str, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in layers])
-    position = 0
-    for step in metadata:
-        for req_id, count in step:
-            for i, layer in enumerate(layers):
-                chunks[req_id][i].append(layer[position : position + count].clone())
-            position += count
-    return {req_id: [torch.cat(c) for c in per_layer] for req_id, per_layer in chunks.items()}
 
 
 def _steps(metadata: Metadata, seed: int, layers: int = 3, width: int = 8) -> list[list[torch.Tensor]]:

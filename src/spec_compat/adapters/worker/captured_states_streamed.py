@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 from ...options import Context
@@ -55,10 +56,12 @@ def apply_streamed_states(ctx: Context, patcher: AdapterPatcher) -> None:
     _, reset = extension_method(ctx, "_reset_capture")
 
     def streamer(self: Any) -> StatesStreamer | None:
+        found: StatesStreamer | None = self.__dict__.get("_spec_compat_streamer")
+        if found is not None and found.pool.directory == os.environ.get(transfer.TRANSFER_DIR_ENV):
+            return found  # every step after the first: no pool or rank lookup
         pool = transfer.worker_pool(self, tp_rank())
         if pool is None:
             return None  # not started by spec_compat's executor (or its transfer is off)
-        found: StatesStreamer | None = self.__dict__.get("_spec_compat_streamer")
         if found is None or found.pool is not pool:
             found = self._spec_compat_streamer = StatesStreamer(pool)
         return found
