@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,29 @@ def test_a_failing_step_leaves_the_reply_to_speculators(directory: str) -> None:
         streamer.step(tensors, False, step, _prompts(CHUNKED).get)
     assert streamer.finish(CHUNKED) is None
     assert streamer.last_declined is not None and "the stream failed: RuntimeError" in streamer.last_declined
+
+
+def test_the_stream_never_waits_for_or_starts_a_segment_inside_the_steps(directory: str) -> None:
+    pool = transfer.SegmentPool(directory, "w", prefetch=True)
+    streamer = stream.StatesStreamer(pool)
+    streamer.recent_rows.append(31)
+    being_made: Future[transfer.Segment] = Future()
+    pool._prefetching = being_made  # the next segment, still being made in the background
+    assert _run(streamer, CHUNKED, seed=10)[0] is None
+    assert streamer.last_declined == "the next segment is still being made in the background"
+    assert pool.segments == [] and pool._prefetching is being_made  # nothing made, nothing waited for
+    being_made.set_result(transfer.Segment(os.path.join(directory, "w-background"), 1 << 16, pin=False))
+    steps = _steps(CHUNKED, seed=11)
+    for index, (tensors, step) in enumerate(zip(steps, CHUNKED, strict=True)):
+        streamer.step(tensors, index == 0, step, _prompts(CHUNKED).get)
+    # streamed into the segment made in the background; no other started while the steps ran
+    assert [s.path for s in pool.segments] == [os.path.join(directory, "w-background")]
+    assert pool._prefetching is None
+    states = streamer.finish(CHUNKED)
+    assert isinstance(states, transfer.SharedStates) and states.path == os.path.join(directory, "w-background")
+    _assert_equal(transfer.DriverMappings(directory).open(states), speculators_reply(steps, CHUNKED))
+    assert pool._prefetching is not None  # the next one, started once the reply is done (as pack's acquire does)
+    pool.close()
 
 
 class _CudaRows:

@@ -22,7 +22,9 @@ tensors either way): a step whose rows are not exactly its metadata's, a request
 the worker does not know or whose rows outgrow it, more rows than the segment has room for, tensors
 of another shape than the first step's, the first reply of an engine (its size is not known yet: a
 segment has room for the largest of the recent replies and an eighth, as ``SegmentPool`` sizes new
-ones), an unpinned segment on CUDA (a copy to it would wait for the forward).
+ones), an unpinned segment on CUDA (a copy to it would wait for the forward), no free segment while the
+next one is still being made in the background (``SegmentPool.acquire_without_waiting``: on one H100 the
+wait for it inside a step cost more than streaming saves; ``pack`` at the reply's end finds it made).
 
 The bytes are speculators' reply either way: rows are copied, never computed.
 No vLLM import here: torch only.
@@ -173,9 +175,12 @@ class StatesStreamer:
         reply.device = device
         started = time.perf_counter()
         try:
-            segment = self.pool.acquire(max(end, 1), pin=device.type == "cuda")
+            segment = self.pool.acquire_without_waiting(max(end, 1), pin=device.type == "cuda")
         except OSError as exc:
             reply.declined = f"no segment: {type(exc).__name__}: {exc}"
+            return reply
+        if segment is None:
+            reply.declined = "the next segment is still being made in the background"
             return reply
         if device.type == "cuda" and not segment.pinned:
             reply.declined = "the segment is not pinned (a copy to it would wait for the forward)"
@@ -294,6 +299,7 @@ class StatesStreamer:
             self.last_declined = reply.declined
             return None
         self.streamed += 1
+        self.pool.prefetch_after(reply.segment, pin=reply.device.type == "cuda")  # where pack's acquire would
         return self._describe(reply, reply.segment, wait_s)
 
     def _describe(self, reply: _Reply, segment: Segment, wait_s: float) -> SharedStates:
