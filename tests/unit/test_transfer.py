@@ -216,7 +216,7 @@ def test_stale_directories_of_dead_drivers_are_swept(tmp_path: Path) -> None:
 def test_failed_pinning_is_not_retried(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
     attempts: list[int] = []
 
-    def refuse(host: Any) -> bool:
+    def refuse(host: Any, piece: int | None = None) -> bool:
         attempts.append(host.numel())
         return False
 
@@ -226,3 +226,55 @@ def test_failed_pinning_is_not_retried(directory: str, monkeypatch: pytest.Monke
         pool.acquire(1000, pin=True)
     assert len(attempts) == 1 and pool.pinning_failed and len(pool.segments) == 1
     pool.close()
+
+
+class _Runtime:
+    """The two CUDA runtime calls a segment makes, recorded (no GPU here); registration ``fail_at`` fails."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, address: int, length: int, flags: int) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 1
+        self.registered[address] = length
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        del self.registered[address]
+        return 0
+
+
+def test_pinning_in_pieces_registers_each_and_copies_never_span_two(
+    directory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = _Runtime()
+    monkeypatch.setattr(transfer, "_cuda_runtime", lambda: runtime)
+    monkeypatch.setenv(transfer.PIN_PIECE_ENV, "1")
+    segment = transfer.Segment(os.path.join(directory, "pieces"), (3 << 20) + 4096, pin=True)
+    base = segment.host.data_ptr()
+    assert segment.pinned and segment.piece == 1 << 20
+    mib = 1 << 20
+    assert runtime.registered == {base: mib, base + mib: mib, base + 2 * mib: mib, base + 3 * mib: 4096}
+    spans = transfer._spans((1 << 20) - 10, (2 << 20) + 20, 1 << 20)
+    assert spans == [((1 << 20) - 10, 1 << 20), (1 << 20, 2 << 20), (2 << 20, 3 << 20), (3 << 20, (3 << 20) + 10)]
+    assert transfer._spans(5, 7, None) == [(5, 12)]
+    source = torch.randint(0, 256, ((2 << 20) + 20,), dtype=torch.uint8)
+    segment.copy_in((1 << 20) - 10, source, non_blocking=False)
+    assert torch.equal(segment.host[(1 << 20) - 10 : (3 << 20) + 10], source)
+    segment.close()
+    assert runtime.registered == {}
+
+
+def test_pinning_that_fails_on_a_piece_leaves_none_registered(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = _Runtime(fail_at=3)
+    monkeypatch.setattr(transfer, "_cuda_runtime", lambda: runtime)
+    monkeypatch.setenv(transfer.PIN_PIECE_ENV, "1")
+    segment = transfer.Segment(os.path.join(directory, "pieces"), 4 << 20, pin=True)
+    assert not segment.pinned and runtime.registered == {}
+    segment.close()
+    monkeypatch.setenv(transfer.PIN_PIECE_ENV, "0")  # not a size: one registration
+    assert transfer.pin_piece_bytes() is None

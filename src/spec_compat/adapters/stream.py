@@ -33,6 +33,7 @@ No vLLM import here: torch only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import time
@@ -245,26 +246,24 @@ class StatesStreamer:
 
         started = time.perf_counter()
         assert reply.segment is not None
-        host = reply.segment.host
-        destinations = []  # (layer, step row, rows, destination view)
+        segment = reply.segment
+        destinations = []  # (layer, step row, rows, byte offset in the segment)
         for layer, (tensor, region) in enumerate(zip(tensors, reply.regions, strict=True)):
             for source, target, count in moves:
-                start = region.offset + target * region.row_bytes
-                view = host[start : start + count * region.row_bytes].view(tensor.dtype).view(count, *region.row_shape)
-                destinations.append((layer, source, count, view))
+                destinations.append((layer, source, count, region.offset + target * region.row_bytes))
             reply.probes.append(_finite_probe(tensor.reshape(-1)))  # on the forward's stream, as pack does
-        if reply.device.type == "cuda":
+        cuda = reply.device.type == "cuda"
+        side = None
+        if cuda:
             side = self.side_streams.get(reply.device)
             if side is None:
                 side = self.side_streams[reply.device] = torch.cuda.Stream(device=reply.device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(reply.device))  # after the step's kernels made them
-            with torch.cuda.stream(side):
-                for layer, source, count, view in destinations:
-                    view.copy_(tensors[layer][source : source + count], non_blocking=True)
             reply.held.extend(tensors)
-        else:
-            for layer, source, count, view in destinations:
-                view.copy_(tensors[layer][source : source + count])
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for layer, source, count, start in destinations:
+                rows = tensors[layer][source : source + count].reshape(-1).view(torch.uint8)
+                segment.copy_in(start, rows, non_blocking=cuda)
         reply.enqueue_s += time.perf_counter() - started
 
     def _decline(self, reply: _Reply, why: str) -> None:

@@ -56,6 +56,11 @@ SPARE_SEGMENTS = 3  # free segments a worker keeps besides the one it uses (at l
 USE_WINDOW = 32  # replies over which the most segments in use at once is remembered
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 PREFETCH_ENV = "SPEC_COMPAT_SEGMENT_PREFETCH"  # "0": a worker makes a segment only when a reply needs one
+# N: a segment is pinned in pieces of N MiB (one cudaHostRegister each) instead of one call, and every copy into it
+# is split at the pieces' edges, so none spans two registrations. Off by default: for the GPU A/B of whether one
+# long cudaHostRegister on the background thread is what stalls the steps beside it (docs/benchmarks.md, run AA;
+# benchmarks/segment_contention.py measures it without the engine).
+PIN_PIECE_ENV = "SPEC_COMPAT_PIN_PIECE_MIB"
 
 
 # ---- the descriptor ----------------------------------------------------------------------------------
@@ -218,22 +223,52 @@ def _clear_cuda_error() -> None:
         pass
 
 
-def _pin(host: Any) -> bool:
+def pin_piece_bytes() -> int | None:
+    """``PIN_PIECE_ENV`` in bytes (a whole number of MiB above 0), or None: one registration per segment."""
+    value = os.environ.get(PIN_PIECE_ENV, "").strip()
+    return int(value) << 20 if value.isdigit() and int(value) > 0 else None
+
+
+def _pieces(size: int, piece: int | None) -> list[tuple[int, int]]:
+    """(start, length) of each registration of a segment of ``size`` bytes."""
+    step = piece or size
+    return [(start, min(step, size - start)) for start in range(0, size, step)]
+
+
+def _spans(offset: int, nbytes: int, piece: int | None) -> list[tuple[int, int]]:
+    """[offset, offset + nbytes) cut at every multiple of ``piece`` (None: not cut), as (start, stop)."""
+    end = offset + nbytes
+    spans = []
+    while offset < end:
+        stop = end if piece is None else min(end, (offset // piece + 1) * piece)
+        spans.append((offset, stop))
+        offset = stop
+    return spans
+
+
+def _pin(host: Any, piece: int | None = None) -> bool:
+    done: list[int] = []
     try:
         runtime = _cuda_runtime()
-        code = runtime.cudaHostRegister(host.data_ptr(), host.numel(), 0)
+        for start, length in _pieces(host.numel(), piece):
+            code = runtime.cudaHostRegister(host.data_ptr() + start, length, 0)
+            if int(code) != 0:
+                break
+            done.append(start)
+        else:
+            return True
     except Exception:  # noqa: BLE001 - no CUDA runtime: copy without pinning
         return False
-    if int(code) != 0:
-        _clear_cuda_error()
-        logger.warning("spec_compat: cudaHostRegister failed (%s); copies to shared memory are not pinned", code)
-        return False
-    return True
+    _clear_cuda_error()
+    for start in done:
+        _unpin(host, start)
+    logger.warning("spec_compat: cudaHostRegister failed (%s); copies to shared memory are not pinned", code)
+    return False
 
 
-def _unpin(host: Any) -> None:
+def _unpin(host: Any, start: int = 0) -> None:
     try:
-        _cuda_runtime().cudaHostUnregister(host.data_ptr())
+        _cuda_runtime().cudaHostUnregister(host.data_ptr() + start)
     except Exception:  # noqa: BLE001
         _clear_cuda_error()
 
@@ -266,7 +301,14 @@ class Segment:
         self.fd = fd
         self.host = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pin_requested = pin
-        self.pinned = _pin(self.host) if pin else False
+        self.piece = pin_piece_bytes() if pin else None  # pinned in pieces of this many bytes (None: whole)
+        self.pinned = _pin(self.host, self.piece) if pin else False
+
+    def copy_in(self, offset: int, source: Any, non_blocking: bool) -> None:
+        """Copy the bytes of ``source`` (a contiguous uint8 tensor, on any device) to ``offset``; split at
+        the edges of the pieces the segment was pinned in, so that no copy spans two registrations."""
+        for start, stop in _spans(offset, source.numel(), self.piece):
+            self.host[start:stop].copy_(source[start - offset : stop - offset], non_blocking=non_blocking)
 
     def leased(self) -> bool:
         """Does the driver still hold tensors of the last reply written here?"""
@@ -279,7 +321,8 @@ class Segment:
 
     def close(self) -> None:
         if self.pinned:
-            _unpin(self.host)
+            for start, _ in _pieces(self.size, self.piece):
+                _unpin(self.host, start)
         del self.host
         self.map.close()
         os.close(self.fd)
@@ -508,7 +551,7 @@ def pack(value: Any, pool: SegmentPool) -> SharedStates | InlineStates | Any:
         else:
             flat = parts[0] if len(parts) == 1 else torch.cat(parts)
             probes.append(_finite_probe(flat))  # queued on the device before the copy
-            dest.copy_(flat.reshape(-1).view(torch.uint8), non_blocking=segment.pinned)
+            segment.copy_in(chunk.offset, flat.reshape(-1).view(torch.uint8), non_blocking=segment.pinned)
     for device in cuda_devices:  # the copies were queued on each device's current stream
         torch.cuda.current_stream(device).synchronize()
     checked = time.perf_counter()

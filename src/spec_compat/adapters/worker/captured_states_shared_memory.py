@@ -41,7 +41,8 @@ CAPTURED_STATES_SHARED_MEMORY = Adapter(
     patches=("speculators.data_generation.custom_worker.HiddenStatesWorkerExtension._get_captured_states",),
     how=(
         "reply through a shared-memory segment; the next segment made in the background when no spare would fit "
-        "(SPEC_COMPAT_SEGMENT_PREFETCH=0: only on demand)"
+        "(SPEC_COMPAT_SEGMENT_PREFETCH=0: only on demand; SPEC_COMPAT_PIN_PIECE_MIB=N: pinned in N MiB pieces, "
+        "for a GPU A/B)"
     ),
     why=(
         "the reply (~500 MB for 32k tokens x 4 layers) was pickled tensor by tensor through vLLM's message queue and "
