@@ -258,6 +258,8 @@ def _pin(host: Any, piece: int | None = None) -> bool:
         else:
             return True
     except Exception:  # noqa: BLE001 - no CUDA runtime: copy without pinning
+        for start in done:
+            _unpin(host, start)
         return False
     _clear_cuda_error()
     for start in done:
