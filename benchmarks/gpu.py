@@ -737,8 +737,31 @@ def phases_text(stats: dict[str, Any]) -> str:
     return (
         f"; fill {phases['fill_s']:.2f} s, middle {phases['middle_tokens_per_s']:,.0f} tok/s over"
         f" {phases['middle_s']:.2f} s, end {phases['end_s']:.2f} s, fixed {phases['fixed_s']:.2f} s"
-        f"{second_batch_text(stats)}"
+        f"{second_batch_text(stats)}{slowest_later_batch_text(stats, phases['middle_tokens_per_s'])}"
+        f"{segments_text(stats)}"
     )
+
+
+def slowest_later_batch_text(stats: dict[str, Any], middle_rate: float) -> str:
+    """The batch after the second that took longest beyond its tokens at the middle's pace, with its largest
+    timings: run AA found one tail batch 0.2-0.3 s slow in every path."""
+    timeline, per_batch = stats.get("timeline") or [], stats.get("batch_timings") or []
+    if len(timeline) < 3 or len(per_batch) != len(timeline) or middle_rate <= 0:
+        return ""
+    excess = {i: timeline[i][0] - timeline[i - 1][1] - timeline[i][2] / middle_rate for i in range(2, len(timeline))}
+    index = max(excess, key=lambda i: excess[i])
+    largest = sorted(per_batch[index].items(), key=lambda item: -item[1])[:3]
+    return f"; slowest later batch {index} (+{excess[index]:.3f} s): " + ", ".join(
+        f"{label} {seconds:.3f} s" for label, seconds in largest
+    )
+
+
+def segments_text(stats: dict[str, Any]) -> str:
+    """Segments replies came in, and the most the worker had at once (more: one made that no reply used)."""
+    transfer = stats.get("transfer") or {}
+    if "segments_made" not in transfer:
+        return ""
+    return f"; segments {transfer['segments_made']} used, {transfer.get('segments_live_max', '?')} at most"
 
 
 def second_batch_text(stats: dict[str, Any]) -> str:

@@ -208,6 +208,7 @@ def test_full_run_writes_speculators_training_files(full_run: tuple[Path, Path])
     transfer = stats["transfer"]
     assert transfer["replies_handed_over"] + transfer["copied_limit"] >= stats["batches"]
     assert 1 <= transfer["segments_made"] <= stats["batches"], transfer
+    assert transfer["segments_made"] <= transfer["segments_live_max"], transfer  # made, used by a reply or not
     # batches after the first were written to shared memory step by step (captured-states-streamed)
     assert 1 <= transfer["replies_streamed"] < stats["batches"], transfer
     # every file's recorded sha256 (computed while writing) is the file's

@@ -45,3 +45,17 @@ def test_the_second_batchs_largest_timings_are_printed() -> None:
     text = second_batch_text({"batch_timings": per_batch})
     assert text == "; second batch: rpc:execute_model 0.200 s, transfer:worker-new-segment 0.150 s"
     assert second_batch_text({"batch_timings": per_batch[:1]}) == "" == second_batch_text({})
+
+
+def test_the_slowest_later_batch_and_the_segments_are_printed() -> None:
+    from gpu import segments_text, slowest_later_batch_text
+
+    # 10k-token batches at 100k tokens/s (0.1 s each), batch 3 0.3 s: 0.2 s beyond its tokens' time
+    timeline = [[0.5, 0.5, 10000], [0.8, 0.8, 10000], [0.9, 0.9, 10000], [1.2, 1.2, 10000], [1.3, 1.3, 10000]]
+    per_batch = [{}, {}, {"rpc:execute_model": 0.05}, {"rpc:execute_model": 0.25, "rpc:sample_tokens": 0.04}, {}]
+    text = slowest_later_batch_text({"timeline": timeline, "batch_timings": per_batch}, 100000.0)
+    assert text == "; slowest later batch 3 (+0.200 s): rpc:execute_model 0.250 s, rpc:sample_tokens 0.040 s"
+    assert slowest_later_batch_text({"timeline": timeline[:2], "batch_timings": per_batch[:2]}, 1.0) == ""
+    transfer = {"segments_made": 3, "segments_live_max": 4}
+    assert segments_text({"transfer": transfer}) == "; segments 3 used, 4 at most"
+    assert segments_text({}) == ""

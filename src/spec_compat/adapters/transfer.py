@@ -643,6 +643,7 @@ class DriverMappings:
         self.held_bytes = 0  # their bytes
         self.refused = 0  # replies not handed over (held_limit, held_segments_limit)
         self.segments_seen: set[str] = set()  # every segment a reply came in: how many the worker made
+        self.segments_live_max = 0  # the most segments the worker had at once, used by a reply or not
         self.held_count = 0  # segments a result kept at least once
         self._held_lock = threading.RLock()  # RLock: a release can run in the GC inside the lock
         self.spans: dict[str, tuple[int, int, int]] = {}  # path -> (first address, size, inode) of its mapping
@@ -701,6 +702,7 @@ class DriverMappings:
             del self.maps[path]  # freed by the worker; the mapping closes once no tensor uses it
             del self.spans[path]
         self.segments_seen.add(states.path)
+        self.segments_live_max = max(self.segments_live_max, len(states.live_segments))
         if states.nbytes == 0:
             return _substitute(states.template, lambda ref: torch.empty(ref.shape, dtype=getattr(torch, ref.dtype)))
         lease = _Lease(states.path)

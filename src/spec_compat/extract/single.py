@@ -226,13 +226,16 @@ def start_writer_process(config: ExtractConfig, fmt: Any, staging: Any, zip_crc3
 
 
 def transfer_counts(mappings: Any, states_replies: dict[str, int]) -> dict[str, int] | None:
-    """How the run's captured states came to the driver: segments the worker made, replies written
-    step by step (captured-states-streamed), replies whose clones kept their segment
-    (driver-states-handover) and those copied instead; None without the shared-memory transfer."""
+    """How the run's captured states came to the driver: segments replies came in (``segments_made``),
+    the most segments the worker had at once (``segments_live_max``: more than ``segments_made`` when it
+    made one that no reply used), replies written step by step (captured-states-streamed), replies whose
+    clones kept their segment (driver-states-handover) and those copied instead; None without the
+    shared-memory transfer."""
     if mappings is None:
         return None
     return {
         "segments_made": len(getattr(mappings, "segments_seen", ())),
+        "segments_live_max": getattr(mappings, "segments_live_max", 0),
         "replies_streamed": states_replies.get("streamed", 0),
         "replies_handed_over": getattr(mappings, "held_count", 0),
         "copied_limit": getattr(mappings, "refused", 0),
