@@ -107,6 +107,7 @@ def run_variant(args: argparse.Namespace, device: torch.device, variant: str, ta
                     side.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(side):
                         view.view(args.rows, args.hidden).copy_(hidden, non_blocking=True)
+                    hidden.record_stream(side)  # not reused by the next step's kernels before the copy is done
                 else:
                     view.view(args.rows, args.hidden).copy_(hidden)
         if device.type == "cuda":
@@ -155,7 +156,7 @@ def straddle_check(args: argparse.Namespace, device: torch.device) -> dict[str, 
                 "asynchronous": enqueue_s < total_s / 4,
                 "equal": bool(torch.equal(destination, source[: destination.numel()].cpu())),
             }
-        del host, window, inside
+        del host, window, inside, destination  # no view may outlive the mapping
         return results
     finally:
         release(mapping, registered)
