@@ -750,10 +750,7 @@ def slowest_later_batch_text(stats: dict[str, Any], middle_rate: float) -> str:
         return ""
     excess = {i: timeline[i][0] - timeline[i - 1][1] - timeline[i][2] / middle_rate for i in range(2, len(timeline))}
     index = max(excess, key=lambda i: excess[i])
-    largest = sorted(per_batch[index].items(), key=lambda item: -item[1])[:3]
-    return f"; slowest later batch {index} (+{excess[index]:.3f} s): " + ", ".join(
-        f"{label} {seconds:.3f} s" for label, seconds in largest
-    )
+    return f"; slowest later batch {index} (+{excess[index]:.3f} s): " + largest_timings_text(per_batch[index], 3)
 
 
 def segments_text(stats: dict[str, Any]) -> str:
@@ -770,8 +767,13 @@ def second_batch_text(stats: dict[str, Any]) -> str:
     per_batch = stats.get("batch_timings") or []
     if len(per_batch) < 2:
         return ""
-    largest = sorted(per_batch[1].items(), key=lambda item: -item[1])[:4]
-    return "; second batch: " + ", ".join(f"{label} {seconds:.3f} s" for label, seconds in largest)
+    return "; second batch: " + largest_timings_text(per_batch[1], 4)
+
+
+def largest_timings_text(timings: dict[str, float], count: int) -> str:
+    """A batch's ``count`` largest timings, largest first, as "label 0.123 s, ..."."""
+    largest = sorted(timings.items(), key=lambda item: -item[1])[:count]
+    return ", ".join(f"{label} {seconds:.3f} s" for label, seconds in largest)
 
 
 def writer_threads_busy(stats: dict[str, Any]) -> str:

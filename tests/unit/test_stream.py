@@ -213,7 +213,7 @@ def test_cuda_streams_only_when_asked_until_measured(directory: str, monkeypatch
     streamer = _streamer_with_history(directory, 4)
     monkeypatch.delenv(stream.CUDA_ENV, raising=False)
     declined = streamer._begin([_CudaRows()]).declined
-    assert declined == f"on CUDA only with {stream.CUDA_ENV}=1 (not measured on a GPU yet)", declined
+    assert declined == f"on CUDA only with {stream.CUDA_ENV}=1 (not faster yet on a GPU)", declined
     monkeypatch.setenv(stream.CUDA_ENV, "1")
     # asked: it goes on to a segment, which must be pinned for a copy that does not wait (none can be here)
     declined = streamer._begin([_CudaRows()]).declined

@@ -94,8 +94,9 @@ class _Reply:
     enqueue_s: float = 0.0
 
 
-# Until the GPU A/B (docs/benchmarks.md, run Z's "Next"): on CUDA the stream runs only when this is "1"
-# (no GPU was lent in the session that built it); on CPU it always runs (tests/test_transfer_engine.py).
+# On CUDA the stream runs only when this is "1": on one H100 (docs/benchmarks.md, run AA) it cut the reply's
+# step from 0.017 to 0.0035 s a batch but made whole runs no faster; the next A/B has the wait fix
+# (acquire_without_waiting). On CPU it always runs (tests/test_transfer_engine.py).
 CUDA_ENV = "SPEC_COMPAT_STREAM_ON_CUDA"
 
 PromptRows = Callable[[str], "int | None"]  # a request's prompt length, as the worker knows it
@@ -161,7 +162,7 @@ class StatesStreamer:
             reply.declined = f"captured tensors on {sorted({str(t.device) for t in tensors})}"
             return reply
         if device.type == "cuda" and os.environ.get(CUDA_ENV) != "1":
-            reply.declined = f"on CUDA only with {CUDA_ENV}=1 (not measured on a GPU yet)"
+            reply.declined = f"on CUDA only with {CUDA_ENV}=1 (not faster yet on a GPU)"
             return reply
         largest = max(self.recent_rows)
         reply.capacity_rows = largest + largest // 8

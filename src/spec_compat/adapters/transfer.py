@@ -303,8 +303,9 @@ class Segment:
         self.fd = fd
         self.host = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pin_requested = pin
-        self.piece = pin_piece_bytes() if pin else None  # pinned in pieces of this many bytes (None: whole)
-        self.pinned = _pin(self.host, self.piece) if pin else False
+        piece = pin_piece_bytes() if pin else None
+        self.pinned = _pin(self.host, piece) if pin else False
+        self.piece = piece if self.pinned else None  # pinned in pieces of this many bytes (None: whole or not)
 
     def copy_in(self, offset: int, source: Any, non_blocking: bool) -> None:
         """Copy the bytes of ``source`` (a contiguous uint8 tensor, on any device) to ``offset``; split at

@@ -122,7 +122,7 @@ CAPTURED_STATES_STREAMED = Adapter(
     how=(
         "each step's rows copied, as the step ends, to their request's place in the reply's segment (one region "
         "per layer; a side CUDA stream), placed by the metadata speculators stores per step; else speculators' reply. "
-        "On CUDA only with SPEC_COMPAT_STREAM_ON_CUDA=1 until measured on a GPU"
+        "On CUDA only with SPEC_COMPAT_STREAM_ON_CUDA=1: not faster yet on an H100 (docs/benchmarks.md run AA)"
     ),
     why=(
         "speculators builds its reply on the device after the last step (a concatenation per layer, a clone per "
